@@ -1,0 +1,1 @@
+"""Codecs: pack, unpack and dequantize for each format family (pure torch)."""
