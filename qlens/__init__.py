@@ -1,3 +1,42 @@
-"""qlens: mechanistic interpretability for Hugging Face causal LMs, quantized or not."""
+"""qlens: mechanistic interpretability for Hugging Face causal LMs, quantized or not.
+
+Public names are imported lazily, so ``import qlens`` stays fast and pulls in torch and
+transformers only when a feature is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "Bridge": "qlens.bridge",
+    "ActivationCache": "qlens.bridge",
+    "HookPoint": "qlens.hooks",
+    "load": "qlens.loading",
+    "QuantFormat": "qlens.quant.formats",
+    "QuantPayload": "qlens.quant.payload",
+    "dequantize": "qlens.quant.dequantize",
+    "quantize_weight": "qlens.quant.quantize",
+    "require_readable_weight": "qlens.quant.guards",
+    "unreadable_weight_reason": "qlens.quant.guards",
+    "describe_quantization": "qlens.quant.guards",
+    "quantization_method": "qlens.quant.guards",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qlens' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
