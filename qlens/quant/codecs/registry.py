@@ -43,7 +43,13 @@ def _load_codecs() -> None:
     global _loaded
     if not _loaded:
         for module in _CODEC_MODULES:
-            importlib.import_module(f"qlens.quant.codecs.{module}")
+            name = f"qlens.quant.codecs.{module}"
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as error:
+                if error.name != name:  # a real import failure inside the codec
+                    raise
+                # this codec is not part of the installation: its formats stay unknown
         _loaded = True
 
 

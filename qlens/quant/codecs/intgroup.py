@@ -1,0 +1,207 @@
+"""Group-wise integer weights: the qlens int4/int8 layouts, decoding of every integer packing,
+and exact repacking of GPTQ / AWQ / compressed-tensors payloads into the qlens layout.
+
+qlens layouts (``layout["packing"] == "qlens"``), one scale per ``g = format.block[1]`` along K:
+- int4: ``data uint8 [*e, N, ceil(K/2)]`` low nibble = even k, codes 0..15; ``zeros`` None
+  (symmetric, ``W = (q - 8) * s``) or ``uint8 [*e, N, G]`` (``W = (q - z) * s``).
+- int8: ``data int8 [*e, N, K]``; ``zeros`` None (``W = q * s``) or ``int8 [*e, N, G]``.
+Scales are fp32, bf16 or fp16 ``[*e, N, G]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qlens.quant.codecs.bits import pack_nibbles, unpack_nibbles
+from qlens.quant.codecs.checks import (
+    ceil_div,
+    check_scales,
+    require_contiguous,
+    require_dtype,
+    require_same_device,
+    require_shape,
+    require_tensor,
+    weight_dims,
+)
+from qlens.quant.codecs.intcodes import IntGroups, contiguous_group_index, midpoint
+from qlens.quant.codecs.intpackings import (
+    unpack_awq,
+    unpack_compressed_tensors,
+    unpack_gptq,
+)
+from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.formats import int_group_format
+from qlens.quant.payload import QuantPayload
+
+SCALE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+QLENS_INT_BITS = (4, 8)
+_UNPACKERS = {
+    "gptq": unpack_gptq,
+    "awq": unpack_awq,
+    "compressed-tensors": unpack_compressed_tensors,
+}
+
+
+def pack_int_group(
+    codes: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None = None,
+    *,
+    bits: int,
+    group_size: int,
+) -> QuantPayload:
+    """A validated qlens int4/int8 payload from unsigned codes ``[*e, N, K]`` in ``[0, 2**bits)``.
+
+    ``zeros`` (unsigned code units, ``[*e, N, G]``) or None for symmetric (zero ``2**(bits-1)``).
+    ``W = (codes - zeros) * scales``.
+    """
+    if bits not in QLENS_INT_BITS:
+        raise ValueError(f"qlens int layouts support bits {QLENS_INT_BITS}, got {bits}")
+    require_dtype(scales, "scales", tuple(SCALE_DTYPE_NAMES))
+    codes = codes.long()
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+        raise ValueError(
+            f"`codes` must be unsigned {bits}-bit values in [0, {1 << bits}), got range "
+            f"[{int(codes.min())}, {int(codes.max())}]"
+        )
+    if bits == 4:
+        data = pack_nibbles(codes.to(torch.uint8))
+        stored_zeros = None if zeros is None else _to_code_dtype(zeros, torch.uint8, 0, 255)
+    else:
+        data = (codes - 128).to(torch.int8)
+        stored_zeros = None if zeros is None else _to_code_dtype(zeros - 128, torch.int8, -128, 127)
+    fmt = int_group_format(
+        bits,
+        group_size,
+        zero_point="none" if zeros is None else "int",
+        scale_dtype=SCALE_DTYPE_NAMES[scales.dtype],
+    )
+    payload = QuantPayload(
+        format=fmt,
+        data=data.contiguous(),
+        shape=tuple(codes.shape),
+        scales=scales,
+        zeros=stored_zeros,
+        layout={"packing": "qlens"},
+    )
+    validate_int_group(payload)
+    return payload
+
+
+def _to_code_dtype(values: Tensor, dtype: torch.dtype, low: int, high: int) -> Tensor:
+    values = values.long()
+    if values.numel() and (int(values.min()) < low or int(values.max()) > high):
+        raise ValueError(
+            f"zero points must fit {dtype} ([{low}, {high}]) in the qlens layout, got range "
+            f"[{int(values.min())}, {int(values.max())}]"
+        )
+    return values.to(dtype)
+
+
+def validate_int_group(payload: QuantPayload) -> None:
+    """Raise a ValueError naming the first inconsistent tensor of a qlens int4/int8 payload."""
+    require_same_device(payload)
+    lead, n, k = weight_dims(payload)
+    bits = payload.format.bits
+    if bits not in QLENS_INT_BITS:
+        raise ValueError(
+            f"the qlens integer layout holds 4- or 8-bit codes, got {payload.format.name}; "
+            "other widths keep their own packing (gptq, compressed-tensors)"
+        )
+    groups = ceil_div(k, payload.format.block[1])
+    if bits == 4:
+        require_dtype(payload.data, "data", (torch.uint8,), payload)
+        require_shape(payload.data, "data", (*lead, n, ceil_div(k, 2)), payload,
+                      fix="int4 packs two codes per byte along K")  # fmt: skip
+        require_contiguous(payload.data, "data", payload)
+    else:
+        require_dtype(payload.data, "data", (torch.int8,), payload)
+        require_shape(payload.data, "data", payload.shape, payload)
+    scales = check_scales(payload, (*lead, n, groups), tuple(SCALE_DTYPE_NAMES))
+    if SCALE_DTYPE_NAMES[scales.dtype] != payload.format.scale_dtype:
+        raise ValueError(
+            f"{payload.format.name} payload `scales` are {scales.dtype} but the format says "
+            f"scale_dtype={payload.format.scale_dtype!r}; build the payload with pack_int_group"
+        )
+    if (payload.zeros is None) != (payload.format.zero_point == "none"):
+        raise ValueError(
+            f"{payload.format.name} payload has zero_point={payload.format.zero_point!r} but "
+            f"`zeros` is {'missing' if payload.zeros is None else 'present'}; symmetric formats "
+            "take zeros=None, asymmetric ones a zero tensor"
+        )
+    if payload.zeros is not None:
+        zero_dtype = torch.uint8 if bits == 4 else torch.int8
+        require_dtype(payload.zeros, "zeros", (zero_dtype,), payload)
+        require_shape(payload.zeros, "zeros", (*lead, n, groups), payload)
+
+
+def unpack_qlens_int(payload: QuantPayload) -> IntGroups:
+    """Decode a qlens int4/int8 payload to :class:`IntGroups` (unsigned codes)."""
+    validate_int_group(payload)
+    _, _, k = weight_dims(payload)
+    bits = payload.format.bits
+    scales = require_tensor(payload.scales, "scales", payload)
+    if bits == 4:
+        codes = unpack_nibbles(payload.data, k).long()
+        zeros = None if payload.zeros is None else payload.zeros.long()
+    else:
+        codes = payload.data.long() + 128
+        zeros = None if payload.zeros is None else payload.zeros.long() + 128
+    if zeros is None:
+        zeros = torch.full(scales.shape, midpoint(bits), dtype=torch.int64, device=codes.device)
+    return IntGroups(
+        codes=codes,
+        scales=scales,
+        zeros=zeros,
+        group_index=contiguous_group_index(k, payload.format.block[1], codes.device),
+    )
+
+
+def unpack_int(payload: QuantPayload) -> IntGroups:
+    """Decode any supported integer packing (qlens, gptq, awq, compressed-tensors)."""
+    packing = payload.layout.get("packing", "qlens")
+    if packing == "qlens":
+        return unpack_qlens_int(payload)
+    if packing not in _UNPACKERS:
+        raise ValueError(
+            f"{payload.format.name} payload has unknown layout['packing']={packing!r}; known: "
+            f"{['qlens', *_UNPACKERS]}"
+        )
+    require_same_device(payload)
+    return _UNPACKERS[packing](payload)
+
+
+@register_dequantizer("int2", "int3", "int4", "int8")
+def dequantize_int_group(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
+    """``W = (q - z) * s`` per group, in fp32, cast to ``dtype``."""
+    return unpack_int(payload).dequantize(dtype)
+
+
+def repack_to_qlens(payload: QuantPayload) -> QuantPayload:
+    """The same weight in the qlens int4/int8 layout, exactly (codes, zeros and scales kept).
+
+    Zero points equal to the midpoint everywhere become the symmetric form. GPTQ act-order
+    (a ``g_idx`` that is not ``k // group_size``) has no contiguous-group equivalent and raises.
+    """
+    if payload.format.bits not in QLENS_INT_BITS:
+        raise ValueError(
+            f"only 4- and 8-bit integer payloads map to the qlens layout, got {payload.format.name}"
+        )
+    groups = unpack_int(payload)
+    _, _, k = weight_dims(payload)
+    group_size = payload.format.block[1]
+    expected = contiguous_group_index(k, group_size, groups.group_index.device)
+    if not torch.equal(groups.group_index.long(), expected):
+        raise ValueError(
+            "this GPTQ payload uses act-order (g_idx is not k // group_size), which the qlens "
+            "contiguous-group layout cannot express; dequantize it instead (qlens.dequantize)"
+        )
+    symmetric = bool((groups.zeros == midpoint(payload.format.bits)).all())
+    return pack_int_group(
+        groups.codes,
+        groups.scales,
+        None if symmetric else groups.zeros,
+        bits=payload.format.bits,
+        group_size=group_size,
+    )
