@@ -1,0 +1,42 @@
+"""Mixture-of-experts families: Mixtral, Qwen3-MoE and GPT-OSS (fused 3-D experts in memory).
+
+Dense layers inside an MoE model (Qwen3-MoE ``mlp_only_layers``) use the Llama MLP paths.
+"""
+
+from qlens.bridge.adapters.base import Adapter, LayerPaths
+from qlens.bridge.adapters.llama import LLAMA, LLAMA_LAYER
+
+_MOE_LAYER = {**LLAMA_LAYER.__dict__, "router": "mlp.gate", "experts": "mlp.experts"}
+
+MIXTRAL = Adapter(
+    **{
+        **LLAMA.__dict__,
+        "family": "mixtral",
+        "layer": LayerPaths(**_MOE_LAYER),
+        "experts_gate_up_layout": "halves",
+        "router_scheme": "softmax_topk",
+        "config_attrs": {"n_experts": "num_local_experts"},
+    }
+)
+QWEN3_MOE = Adapter(
+    **{
+        **MIXTRAL.__dict__,
+        "family": "qwen3_moe",
+        "layer": LayerPaths(
+            **{**_MOE_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+        ),
+        "router_renormalize": "norm_topk_prob",
+        "config_attrs": {"n_experts": "num_experts", "d_mlp": "moe_intermediate_size"},
+    }
+)
+GPT_OSS = Adapter(
+    **{
+        **MIXTRAL.__dict__,
+        "family": "gpt_oss",
+        "layer": LayerPaths(**{**_MOE_LAYER, "router": "mlp.router"}),
+        "experts_gate_up_layout": "interleaved",
+        "experts_weights_in_out": True,
+        "router_scheme": "topk_softmax",
+        "act_fn": "swiglu_oss",
+    }
+)

@@ -1,0 +1,452 @@
+"""Bridge: TransformerLens-style hook points on an unmodified HF causal LM.
+
+The bridge never rewrites, copies or moves the model. Its PyTorch hooks exist only during a
+bridge call (``forward``/``__call__``, ``run_with_hooks``, ``run_with_cache``, ``generate``)
+that has hooks active, and attention internals switch the model to the ``"qlens"`` attention
+implementation only for that call; everything is restored even when the forward raises.
+
+Hook-name conventions (see ``qlens.bridge.names``):
+
+* ``blocks.{i}.hook_attn_out`` / ``hook_mlp_out`` are the outputs of the attention / MLP
+  modules. In sandwich-norm families (Gemma 2/3) the residual receives the post-norms'
+  outputs, hooked as ``blocks.{i}.ln1_post.hook_normalized`` / ``ln2_post.hook_normalized``.
+* ``hook_resid_mid`` exists only for sequential attention/MLP (not GPT-NeoX's parallel
+  blocks); editing it replaces the attention branch by ``new - resid_pre``.
+* ``hook_resid_post`` of the last layer is before the final norm.
+* ``hook_embed`` is the token-embedding module's output (Gemma: already scaled by
+  sqrt(d_model)); ``hook_pos_embed`` exists only for learned positions (GPT-2, OPT).
+* ``ln*.hook_scale`` is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm)
+  ``[batch pos 1]``; ``ln*.hook_normalized`` is the norm module's output (weight applied).
+* ``attn.hook_pattern`` excludes the probability mass of attention sinks (GPT-OSS): rows sum
+  to ``1 - p_sink`` and ``hook_z = pattern @ v``. Masked scores hold the dtype's minimum.
+* With a KV cache (``generate``), ``attn.hook_k``/``hook_v`` show every key/value attention
+  reads (cached ones included); edits to them affect the current step only.
+* ``attn.hook_result`` is opt-in (``names_filter=None`` skips it): it reads the output
+  projection's weight, which must be readable (not quantized).
+* Hooks fire during bridge calls only; calling the HF model directly runs it unhooked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, cast
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from qlens.bridge import attention, taps
+from qlens.bridge.adapters import Adapter, get_adapter
+from qlens.bridge.cache import ActivationCache
+from qlens.bridge.config import BridgeConfig, build_config
+from qlens.bridge.layout import build_layer_sites, require_module, resolve_layers
+from qlens.bridge.loss import lm_loss
+from qlens.bridge.names import (
+    NamesFilter,
+    layer_of,
+    model_hook_names,
+    resolve_names,
+    unknown_name_error,
+)
+from qlens.bridge.tokens import PaddingSide, positions_from_mask, require_tokenizer, tokenize
+from qlens.hooks import HookFn, HookHandle, HookPoint
+
+Input = str | list[str] | Tensor
+HookSpec = tuple[str | Callable[[str], bool], HookFn]
+
+
+class _StopForward(Exception):  # noqa: N818
+    def __init__(self, residual: Tensor) -> None:
+        self.residual = residual
+
+
+class Bridge:
+    """Hook points, caching and generation for a supported HF causal LM."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter: Adapter = get_adapter(model)
+        self._layers = resolve_layers(model, self.adapter)
+        attention.register()
+        a, rms = self.adapter, self.adapter.normalization_type == "RMS"
+        self.embed = require_module(model, a.embed, "token embedding")
+        self.pos_embed = (
+            require_module(model, a.pos_embed, "position embedding") if a.pos_embed else None
+        )
+        self.ln_final = require_module(model, a.ln_final, "final norm")
+        self.unembed = require_module(model, a.unembed, "unembedding")
+        eps = taps.norm_eps(self.ln_final)
+        self.cfg: BridgeConfig = build_config(model.config, a, len(self._layers), eps)
+        self._store: dict[str, Tensor] = {}
+        self._sites: list[taps.Site] = [taps.OutputSite(self.embed, "hook_embed")]
+        if self.pos_embed is not None:
+            self._sites.append(taps.OutputSite(self.pos_embed, "hook_pos_embed"))
+        for rl in self._layers:
+            self._sites += build_layer_sites(rl, a, self.cfg, self._store)
+        self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms))
+        self.hook_names: list[str] = model_hook_names(
+            [rl.layout for rl in self._layers], self.pos_embed is not None
+        )
+        self.hook_dict: dict[str, HookPoint] = {n: HookPoint(n) for n in self.hook_names}
+        self._taps = [
+            attention.AttentionTap(
+                fast_fn=None,  # set on activation, from the implementation in use then
+                points={
+                    short: self.hook_dict[f"blocks.{rl.index}.attn.{short}"]
+                    for short in attention.INTERNAL_HOOKS
+                },
+            )
+            for rl in self._layers
+        ]
+        self._running = False
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (
+            f"Bridge({type(self.model).__name__}, family={c.family}, n_layers={c.n_layers}, "
+            f"d_model={c.d_model}, n_heads={c.n_heads}, {len(self.hook_names)} hook names)"
+        )
+
+    # -- hook management ---------------------------------------------------------------------
+    def _names_for(self, name_or_filter: str | Callable[[str], bool]) -> list[str]:
+        if isinstance(name_or_filter, str):
+            if name_or_filter not in self.hook_dict:
+                raise unknown_name_error(name_or_filter, self.hook_names)
+            return [name_or_filter]
+        if callable(name_or_filter):
+            names = [n for n in self.hook_names if name_or_filter(n)]
+            if not names:
+                raise ValueError("hook filter matched no hook name; see bridge.hook_names")
+            return names
+        raise TypeError(f"hook target must be a name or a filter callable, got {name_or_filter!r}")
+
+    def add_hook(
+        self,
+        name_or_filter: str | Callable[[str], bool],
+        fn: HookFn,
+        dir: str = "fwd",
+    ) -> list[HookHandle]:
+        """Attach ``fn(tensor, hook)`` to every matching hook point until removed or reset."""
+        return [self.hook_dict[n].add_hook(fn, dir=dir) for n in self._names_for(name_or_filter)]
+
+    def reset_hooks(self) -> None:
+        """Remove every hook function from every hook point."""
+        for point in self.hook_dict.values():
+            point.remove_hooks()
+
+    @contextlib.contextmanager
+    def hooks(
+        self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()
+    ) -> Iterator[Bridge]:
+        """Hooks active inside the ``with`` block (including backward passes run there)."""
+        handles: list[HookHandle] = []
+        try:
+            for target, fn in fwd_hooks:
+                handles += self.add_hook(target, fn, "fwd")
+            for target, fn in bwd_hooks:
+                handles += self.add_hook(target, fn, "bwd")
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def _attached(self, stop_at_layer: int | None = None) -> Iterator[None]:
+        """Attach PyTorch hooks for the active names (and the attention switch) for one call."""
+        if self._running:
+            raise RuntimeError(
+                "the bridge is already running: a hook cannot run the bridge again; "
+                "compute what you need after the forward returns"
+            )
+        active = {n for n, p in self.hook_dict.items() if p.is_active}
+        self._check_fireable(active, stop_at_layer)
+        handles: list[RemovableHandle] = []
+        configs = self._attention_configs()
+        saved = {id(c): c._attn_implementation for c in configs.values()}
+        switch = any(n.rsplit(".", 1)[-1] in attention.INTERNAL_HOOKS for n in active)
+        for name in active:
+            self.hook_dict[name].n_fired = 0
+        self._running = True
+        try:
+            for site in self._sites:
+                if site.needed(active):
+                    handles += site.attach(self.hook_dict)
+            if stop_at_layer is not None:
+                handles.append(self._stop_hook(stop_at_layer))
+            if switch:
+                for rl, tap in zip(self._layers, self._taps, strict=True):
+                    attn = rl.modules["attn"]
+                    tap.fast_fn = attention.original_attention_fn(attn, saved[id(attn.config)])
+                    attention.install_tap(attn, tap)
+                for config in configs.values():
+                    config._attn_implementation = attention.IMPLEMENTATION
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for rl in self._layers:
+                attention.remove_tap(rl.modules["attn"])
+            for config in configs.values():
+                if config._attn_implementation != saved[id(config)]:
+                    config._attn_implementation = saved[id(config)]
+            self._store.clear()
+            self._running = False
+
+    def _attention_configs(self) -> dict[int, Any]:
+        configs = {id(self.model.config): self.model.config}
+        for rl in self._layers:
+            config = rl.modules["attn"].config
+            configs[id(config)] = config
+        return configs
+
+    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
+        if stop_at_layer is None:
+            return
+        for name in sorted(active):
+            layer = layer_of(name)
+            beyond = layer >= stop_at_layer if layer is not None else name.startswith("ln_final.")
+            if beyond:
+                raise ValueError(
+                    f"hook {name!r} cannot fire with stop_at_layer={stop_at_layer}: the forward "
+                    f"stops before it. Remove the hook or raise stop_at_layer."
+                )
+
+    def _stop_hook(self, stop_at_layer: int) -> RemovableHandle:
+        target = (
+            self.ln_final
+            if stop_at_layer == self.cfg.n_layers
+            else self._layers[stop_at_layer].layer
+        )
+
+        def stop(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            raise _StopForward(args[0] if args else kwargs["hidden_states"])
+
+        return target.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+
+    # -- tokens ------------------------------------------------------------------------------
+    def to_tokens(
+        self,
+        input: str | list[str],
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide = "right",
+    ) -> Int[Tensor, "batch pos"]:
+        """Token ids ``[batch pos]``; ``prepend_bos=None`` keeps the tokenizer's default."""
+        texts = [input] if isinstance(input, str) else list(input)
+        tokens, _ = tokenize(require_tokenizer(self.tokenizer), texts, prepend_bos, padding_side)
+        return tokens
+
+    def to_str_tokens(self, input: str | Tensor, prepend_bos: bool | None = None) -> list[str]:
+        """Each token of a string (or of a 1-D / batch-1 token tensor) as a string."""
+        tokenizer = require_tokenizer(self.tokenizer)
+        tokens = self.to_tokens(input, prepend_bos) if isinstance(input, str) else input
+        tokens = tokens.reshape(-1) if tokens.ndim == 2 and tokens.shape[0] == 1 else tokens
+        if tokens.ndim != 1:
+            raise ValueError(f"to_str_tokens takes one sequence, got shape {tuple(tokens.shape)}")
+        return [tokenizer.decode([int(t)]) for t in tokens]
+
+    def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
+        """Decode token ids: one sequence -> str, a batch -> list of str."""
+        tokenizer = require_tokenizer(self.tokenizer)
+        tokens = torch.as_tensor(tokens)
+        if tokens.ndim == 1:
+            return tokenizer.decode(tokens.tolist())
+        return [tokenizer.decode(row.tolist()) for row in tokens]
+
+    def _prepare(
+        self,
+        input: Input,
+        attention_mask: Tensor | None,
+        padding_side: PaddingSide = "right",
+    ) -> tuple[Tensor, Tensor | None]:
+        if isinstance(input, str):
+            input = [input]
+        if isinstance(input, list):
+            tokens, mask = tokenize(require_tokenizer(self.tokenizer), input, None, padding_side)
+            if attention_mask is not None:
+                raise ValueError("attention_mask is built from strings; pass it only with tokens")
+            attention_mask = mask if bool((mask == 0).any()) else None
+        elif isinstance(input, Tensor):
+            if input.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"token tensors must be int64/int32 ids, got {input.dtype}")
+            tokens = input.unsqueeze(0) if input.ndim == 1 else input
+            if tokens.ndim != 2:
+                raise ValueError(f"token tensors must be [batch pos], got {tuple(input.shape)}")
+        else:
+            raise TypeError(
+                f"input must be a string, a list of strings or a token tensor, got {type(input).__name__}"
+            )
+        if attention_mask is not None:
+            attention_mask = (
+                attention_mask.unsqueeze(0) if attention_mask.ndim == 1 else attention_mask
+            )
+            if attention_mask.shape != tokens.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != tokens shape {tuple(tokens.shape)}"
+                )
+        device = next(self.embed.parameters()).device
+        tokens = tokens.to(device)
+        if attention_mask is None:
+            return tokens, None
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
+        return tokens, attention_mask.to(device=device, dtype=torch.long)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _model_forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        kwargs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = positions_from_mask(mask)
+        return self.model(**kwargs).logits
+
+    def _run(self, tokens: Tensor, mask: Tensor | None, stop_at_layer: int | None = None) -> Tensor:
+        if stop_at_layer is not None:
+            n = self.cfg.n_layers
+            if not -n <= stop_at_layer <= n:
+                raise ValueError(f"stop_at_layer must be in [{-n}, {n}], got {stop_at_layer}")
+            if stop_at_layer < 0:
+                stop_at_layer += n
+        with self._attached(stop_at_layer):
+            try:
+                out = self._model_forward(tokens, mask)
+            except _StopForward as stop:
+                out = stop.residual
+        self._check_fired()
+        return out
+
+    def _check_fired(self) -> None:
+        silent = [n for n, p in self.hook_dict.items() if p.is_active and not p.n_fired]
+        if silent:
+            raise RuntimeError(
+                f"hooks did not fire during the forward: {', '.join(silent)}. The model did not "
+                "run the modules the adapter maps these names to (qlens.bridge.adapters)."
+            )
+
+    def forward(
+        self,
+        input: Input,
+        return_type: Literal["logits", "loss", "both"] | None = "logits",
+        attention_mask: Tensor | None = None,
+        stop_at_layer: int | None = None,
+    ) -> Any:
+        """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
+
+        With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
+        """
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(
+                f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
+            )
+        tokens, mask = self._prepare(input, attention_mask)
+        out = self._run(tokens, mask, stop_at_layer)
+        if stop_at_layer is not None or return_type == "logits":
+            return out
+        if return_type is None:
+            return None
+        loss = lm_loss(out, tokens, mask)
+        return loss if return_type == "loss" else (out, loss)
+
+    __call__ = forward
+
+    def run_with_hooks(
+        self,
+        input: Input,
+        fwd_hooks: Sequence[HookSpec] = (),
+        bwd_hooks: Sequence[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        **forward_kwargs: Any,
+    ) -> Any:
+        """Run ``forward`` with extra hooks; they are removed afterwards unless ``reset_hooks_end``
+        is False (keep them to run a backward pass through ``bwd_hooks``, or use ``hooks()``)."""
+        handles: list[HookHandle] = []
+        try:
+            for target, fn in fwd_hooks:
+                handles += self.add_hook(target, fn, "fwd")
+            for target, fn in bwd_hooks:
+                handles += self.add_hook(target, fn, "bwd")
+            return self.forward(input, **forward_kwargs)
+        finally:
+            if reset_hooks_end:
+                for handle in handles:
+                    handle.remove()
+
+    def run_with_cache(
+        self,
+        input: Input,
+        names_filter: NamesFilter = None,
+        stop_at_layer: int | None = None,
+        remove_batch_dim: bool = False,
+        device: str | torch.device | None = None,
+        attention_mask: Tensor | None = None,
+        return_cache_object: bool = True,
+        return_type: Literal["logits", "loss", "both"] | None = "logits",
+    ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
+        """Forward while caching (detached) activations. ``names_filter=None`` caches every name
+        except the opt-in ``attn.hook_result``."""
+        names = resolve_names(names_filter, self.hook_names)
+        store: dict[str, Tensor] = {}
+
+        def save(x: Tensor, hook: HookPoint) -> None:
+            store[hook.name] = x.detach() if device is None else x.detach().to(device)
+
+        handles = [self.hook_dict[n].add_hook(save) for n in names]
+        try:
+            out = self.forward(input, return_type, attention_mask, stop_at_layer)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if remove_batch_dim:
+            store = {k: v[0] for k, v in _require_batch_one(store).items()}
+        if not return_cache_object:
+            return out, store
+        cache = ActivationCache(store, self.cfg.n_layers, self.ln_final, not remove_batch_dim)
+        return out, cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input: Input,
+        max_new_tokens: int = 10,
+        do_sample: bool = False,
+        return_type: Literal["input", "tokens", "str"] = "input",
+        **generate_kwargs: Any,
+    ) -> Any:
+        """Generate with the active hooks firing at every step (they see the new tokens).
+
+        Batched strings are left-padded. Returns the same kind as the input (``"input"``),
+        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``).
+        """
+        tokens, mask = self._prepare(input, generate_kwargs.pop("attention_mask", None), "left")
+        if mask is None:
+            mask = torch.ones_like(tokens)
+        pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        generate_kwargs.setdefault(
+            "pad_token_id", pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        )
+        with self._attached():
+            generate = cast(Callable[..., Tensor], self.model.generate)
+            out = generate(
+                input_ids=tokens,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                **generate_kwargs,
+            )
+        self._check_fired()
+        if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
+            strings = self.to_string(out)
+            return strings[0] if isinstance(input, str) else strings
+        return out
+
+
+def _require_batch_one(store: dict[str, Tensor]) -> dict[str, Tensor]:
+    for name, value in store.items():
+        if value.shape[0] != 1:
+            raise ValueError(
+                f"remove_batch_dim=True needs a batch of one, but {name} has batch {value.shape[0]}"
+            )
+    return store

@@ -1,0 +1,115 @@
+"""BridgeConfig: the architecture facts of a wrapped model, in TransformerLens vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qlens.bridge.adapters.base import Adapter, NormType, PositionalType
+
+_DEFAULT_ATTRS: dict[str, tuple[str, ...]] = {
+    "d_model": ("hidden_size",),
+    "n_heads": ("num_attention_heads",),
+    "n_kv_heads": ("num_key_value_heads", "num_attention_heads"),
+    "d_mlp": ("intermediate_size", "ffn_dim"),
+    "d_vocab": ("vocab_size",),
+    "n_ctx": ("max_position_embeddings",),
+    "act_fn": ("hidden_activation", "hidden_act", "activation_function"),
+    "n_experts": ("num_local_experts", "num_experts"),
+    "experts_per_token": ("num_experts_per_tok",),
+}
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """Architecture facts; ``n_experts``/``experts_per_token`` are 0 for dense models."""
+
+    model_type: str
+    family: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int | None
+    act_fn: str | None
+    eps: float
+    normalization_type: NormType
+    norm_weight_offset: float
+    positional_embedding_type: PositionalType
+    rotary_dim: int | None  # dimensions of each head that rotary rotates (GPT-NeoX: a part)
+    parallel_attn_mlp: bool
+    gated_mlp: bool
+    n_experts: int
+    experts_per_token: int
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    sliding_window: int | None
+    attention_sinks: bool
+    tie_word_embeddings: bool
+
+
+def _lookup(config: Any, adapter: Adapter, key: str) -> Any:
+    override = adapter.config_attrs.get(key)
+    if callable(override):
+        return override(config)
+    for attr in (override,) if override is not None else _DEFAULT_ATTRS.get(key, ()):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return value
+    return None
+
+
+def resolve_flag(config: Any, flag: bool | str) -> bool:
+    """An adapter fact given as a bool or as the name of a boolean config attribute."""
+    return bool(getattr(config, flag)) if isinstance(flag, str) else flag
+
+
+def _rotary_dim(hf_config: Any, adapter: Adapter, d_head: int) -> int | None:
+    if adapter.positional_embedding_type != "rotary":
+        return None
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(d_head * (factor if isinstance(factor, (int, float)) else 1.0))
+
+
+def build_config(hf_config: Any, adapter: Adapter, n_layers: int, eps: float) -> BridgeConfig:
+    """Read the architecture facts from the HF config, guided by the adapter; ``eps`` is the
+    final norm's epsilon (read from the module, as some configs do not record it)."""
+    d_model = int(_lookup(hf_config, adapter, "d_model"))
+    n_heads = int(_lookup(hf_config, adapter, "n_heads"))
+    head_dim = getattr(hf_config, "head_dim", None)
+    is_moe = adapter.layer.router is not None
+    n_ctx = _lookup(hf_config, adapter, "n_ctx")
+    d_head = int(head_dim) if head_dim else d_model // n_heads
+    return BridgeConfig(
+        model_type=str(hf_config.model_type),
+        family=adapter.family,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(_lookup(hf_config, adapter, "n_kv_heads")),
+        d_head=d_head,
+        d_mlp=int(_lookup(hf_config, adapter, "d_mlp")),
+        d_vocab=int(_lookup(hf_config, adapter, "d_vocab")),
+        n_ctx=int(n_ctx) if n_ctx is not None else None,
+        act_fn=adapter.act_fn or _lookup(hf_config, adapter, "act_fn"),
+        eps=eps,
+        normalization_type=adapter.normalization_type,
+        norm_weight_offset=adapter.norm_weight_offset,
+        positional_embedding_type=adapter.positional_embedding_type,
+        rotary_dim=_rotary_dim(hf_config, adapter, d_head),
+        parallel_attn_mlp=resolve_flag(hf_config, adapter.parallel_attn_mlp),
+        gated_mlp=adapter.gated_mlp,
+        n_experts=int(_lookup(hf_config, adapter, "n_experts") or 0) if is_moe else 0,
+        experts_per_token=int(_lookup(hf_config, adapter, "experts_per_token") or 0)
+        if is_moe
+        else 0,
+        attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
+        final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
+        sliding_window=getattr(hf_config, "sliding_window", None),
+        attention_sinks=adapter.family == "gpt_oss",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )

@@ -1,0 +1,107 @@
+"""The canonical hook-name table and name resolution (exact names, filters, close matches)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
+
+LN_NAMES = ("hook_scale", "hook_normalized")
+ATTN_NAMES = (
+    "hook_q",
+    "hook_k",
+    "hook_v",
+    "hook_attn_scores",
+    "hook_pattern",
+    "hook_z",
+    "hook_result",
+)
+# Opt-in names: only computed when asked for by name (not by names_filter=None).
+OPT_IN_SUFFIXES = ("attn.hook_result",)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Which optional components one decoder layer has; decides which names it can fire."""
+
+    ln1_post: bool
+    ln2_post: bool
+    parallel: bool
+    moe: bool
+    gated: bool
+
+
+def layer_hook_names(i: int, layout: LayerLayout) -> list[str]:
+    """Every canonical name of layer ``i``, in the order the forward fires them."""
+    p = f"blocks.{i}."
+    names = [p + "hook_resid_pre", *(p + "ln1." + n for n in LN_NAMES)]
+    names += [p + "attn." + n for n in ATTN_NAMES]
+    names.append(p + "hook_attn_out")
+    if layout.ln1_post:
+        names += [p + "ln1_post." + n for n in LN_NAMES]
+    if not layout.parallel:
+        names.append(p + "hook_resid_mid")
+    names += [p + "ln2." + n for n in LN_NAMES]
+    if layout.moe:
+        names += [p + "mlp.hook_router_logits", p + "mlp.hook_router_weights"]
+    else:
+        names.append(p + "mlp.hook_pre")
+        if layout.gated:
+            names.append(p + "mlp.hook_pre_linear")
+        names.append(p + "mlp.hook_post")
+    names.append(p + "hook_mlp_out")
+    if layout.ln2_post:
+        names += [p + "ln2_post." + n for n in LN_NAMES]
+    names.append(p + "hook_resid_post")
+    return names
+
+
+def model_hook_names(layouts: Sequence[LayerLayout], learned_positions: bool) -> list[str]:
+    names = ["hook_embed"] + (["hook_pos_embed"] if learned_positions else [])
+    for i, layout in enumerate(layouts):
+        names += layer_hook_names(i, layout)
+    return names + ["ln_final." + n for n in LN_NAMES]
+
+
+def layer_of(name: str) -> int | None:
+    match = re.match(r"blocks\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def unknown_name_error(name: str, valid: Iterable[str]) -> KeyError:
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=5, cutoff=0.5)
+    hint = f"closest valid names: {', '.join(close)}" if close else "no close match"
+    return KeyError(
+        f"unknown hook name {name!r} for this model ({hint}); "
+        f"bridge.hook_names lists all {len(valid)} valid names"
+    )
+
+
+def resolve_names(names_filter: NamesFilter, valid: Sequence[str]) -> list[str]:
+    """The valid names selected by a filter: None (all but opt-in), a name, a list, a callable."""
+    valid_set = set(valid)
+    if names_filter is None:
+        return [n for n in valid if not n.endswith(OPT_IN_SUFFIXES)]
+    if isinstance(names_filter, str):
+        names_filter = [names_filter]
+    if callable(names_filter):
+        selected = [n for n in valid if names_filter(n)]
+        if not selected:
+            raise ValueError(
+                "names_filter matched no hook name of this model; see bridge.hook_names "
+                f"(e.g. {', '.join(valid[:3])}, ...)"
+            )
+        return selected
+    selected = list(dict.fromkeys(names_filter))
+    if not selected:
+        raise ValueError("names_filter is an empty list; pass None to select every name")
+    for name in selected:
+        if not isinstance(name, str):
+            raise TypeError(f"names_filter entries must be str, got {type(name).__name__}")
+        if name not in valid_set:
+            raise unknown_name_error(name, valid)
+    return selected

@@ -1,0 +1,287 @@
+"""Module-boundary taps: PyTorch hooks that feed HF activations through qlens HookPoints.
+
+Each site serves a few canonical names and is attached (as forward hooks / pre-hooks) only
+while one of them is active, so an idle bridge leaves the HF model untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from qlens.bridge.routing import dense_router_weights, sparse_router_weights
+from qlens.hooks import HookPoint
+
+Points = dict[str, HookPoint]
+
+
+def _first(output: Any) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_first(output: Any, value: Tensor) -> Any:
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+def _fire(
+    points: Points, name: str | None, x: Tensor, shape: Callable[[], tuple[int, ...]] | None = None
+) -> Tensor:
+    """Run the named point on ``x``; token-flattened 2-D tensors are shown as [batch pos ...]."""
+    point = points.get(name) if name is not None else None
+    if point is None or not point.is_active:
+        return x
+    if shape is not None and x.ndim == 2:
+        shaped = x.reshape(*shape(), x.shape[-1])
+        if shaped.ndim == 3:
+            new = point(shaped)
+            return x if new is shaped else new.reshape(x.shape)
+    return point(x)
+
+
+def norm_eps(module: nn.Module) -> float:
+    """The epsilon of a LayerNorm / RMSNorm module, whatever the family calls it."""
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, attr, None)
+        if value is not None:
+            return float(value)
+    raise AttributeError(f"cannot find the epsilon of norm module {type(module).__name__}")
+
+
+class Site:
+    """Serves ``names``; ``attach`` registers its PyTorch hooks and returns their handles."""
+
+    names: tuple[str, ...] = ()
+    also_needed_by: tuple[str, ...] = ()
+    # [batch pos] of the current layer, for families that flatten tokens (OPT's MLP)
+    shape: Callable[[], tuple[int, ...]] | None = None
+
+    def needed(self, active: set[str]) -> bool:
+        return any(n in active for n in self.names + self.also_needed_by)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        raise NotImplementedError
+
+
+class OutputSite(Site):
+    """A module's output (first element when the module returns a tuple)."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.names = module, (name,)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, _args: Any, output: Any) -> Any:
+            new = _fire(points, name, _first(output), self.shape)
+            return _with_first(output, new)
+
+        return [self.module.register_forward_hook(hook)]
+
+
+class InputSite(Site):
+    """A module's first positional input."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.names = module, (name,)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (_fire(points, name, args[0], self.shape), *args[1:])
+
+        return [self.module.register_forward_pre_hook(hook)]
+
+
+class LayerInputSite(Site):
+    """``hook_resid_pre`` at a decoder layer's input; remembers it for ``hook_resid_mid``."""
+
+    def __init__(self, layer: nn.Module, name: str, store: dict[str, Tensor]) -> None:
+        self.layer, self.names, self.store = layer, (name,), store
+        self.also_needed_by: tuple[str, ...] = ()  # set to every name of the layer
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args:
+                x = _fire(points, name, args[0])
+                args = (x, *args[1:])
+            else:
+                x = kwargs["hidden_states"] = _fire(points, name, kwargs["hidden_states"])
+            self.store[name] = x
+            return args, kwargs
+
+        return [self.layer.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+class ResidMidSite(Site):
+    """``hook_resid_mid`` = resid_pre + the attention branch output added to the residual.
+
+    An edit to resid_mid is applied by replacing the branch output with ``new - resid_pre``.
+    """
+
+    def __init__(self, module: nn.Module, name: str, store: dict[str, Tensor], pre: str) -> None:
+        self.module, self.names, self.store, self.pre = module, (name,), store, pre
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, _args: Any, output: Any) -> Any:
+            resid_pre = self.store[self.pre]
+            branch = _first(output)
+            mid = resid_pre + branch
+            new_mid = _fire(points, name, mid)
+            if new_mid is mid:
+                return output
+            return _with_first(output, new_mid - resid_pre)
+
+        return [self.module.register_forward_hook(hook)]
+
+
+class NormSite(Site):
+    """``<prefix>.hook_scale`` [batch pos 1] and ``<prefix>.hook_normalized`` (the norm output).
+
+    The scale is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm), computed in
+    float32 from the norm's input. Editing the scale rescales the norm's output accordingly.
+    """
+
+    def __init__(self, module: nn.Module, prefix: str, rms: bool) -> None:
+        self.module, self.rms = module, rms
+        self.names = (f"{prefix}.hook_scale", f"{prefix}.hook_normalized")
+
+    def scale(self, x: Tensor) -> Tensor:
+        x = x.float()
+        if not self.rms:
+            x = x - x.mean(-1, keepdim=True)
+        return (x.pow(2).mean(-1, keepdim=True) + norm_eps(self.module)).sqrt()
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        scale_name, normalized_name = self.names
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            y = _first(output)
+            if points[scale_name].is_active:
+                scale = self.scale(args[0]).to(y.dtype)
+                new_scale = _fire(points, scale_name, scale, self.shape)
+                if new_scale is not scale:
+                    bias = getattr(self.module, "bias", None)
+                    shift = bias if (bias is not None and not self.rms) else 0.0
+                    y = (y - shift) * (scale / new_scale) + shift
+            y = _fire(points, normalized_name, y, self.shape)
+            return _with_first(output, y)
+
+        return [self.module.register_forward_hook(hook)]
+
+
+class GateUpSite(Site):
+    """A fused gate/up projection: ``hook_pre`` = gate half, ``hook_pre_linear`` = up half."""
+
+    def __init__(self, module: nn.Module, pre: str, pre_linear: str) -> None:
+        self.module, self.names = module, (pre, pre_linear)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        pre, pre_linear = self.names
+
+        def hook(_m: nn.Module, _args: Any, output: Tensor) -> Tensor:
+            gate, up = output.chunk(2, dim=-1)
+            new_gate = _fire(points, pre, gate, self.shape)
+            new_up = _fire(points, pre_linear, up, self.shape)
+            if new_gate is gate and new_up is up:
+                return output
+            return torch.cat([new_gate, new_up], dim=-1)
+
+        return [self.module.register_forward_hook(hook)]
+
+
+class RouterSite(Site):
+    """MoE router: ``hook_router_logits`` [batch pos n_experts] and ``hook_router_weights``.
+
+    ``hook_router_weights`` is dense [batch pos n_experts]: the mixing weight of each selected
+    expert, 0 elsewhere. Editing the logits re-runs the family's routing on the new logits;
+    editing the weights changes the mixing of the selected experts.
+    """
+
+    def __init__(
+        self,
+        mlp: nn.Module,
+        router: nn.Module,
+        logits_name: str,
+        weights_name: str,
+        routing: Callable[[Tensor], tuple[Tensor, Tensor]],
+    ) -> None:
+        self.mlp, self.router, self.routing = mlp, router, routing
+        self.names = (logits_name, weights_name)
+        self._shape: tuple[int, ...] = ()
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        logits_name, weights_name = self.names
+
+        def record_shape(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            self._shape = tuple(args[0].shape[:-1])
+
+        def hook(_m: nn.Module, _args: Any, output: tuple[Tensor, Tensor, Tensor]) -> Any:
+            logits, scores, indices = output
+            shaped = logits.reshape(*self._shape, logits.shape[-1])
+            new_logits = _fire(points, logits_name, shaped)
+            if new_logits is not shaped:
+                logits = new_logits.reshape(logits.shape)
+                scores, indices = self.routing(logits)
+                scores = scores.to(output[1].dtype)
+            point = points.get(weights_name)
+            if point is not None and point.is_active:
+                dense = dense_router_weights(scores, indices, logits.shape[-1])
+                shaped_dense = dense.reshape(*self._shape, -1)
+                new_dense = point(shaped_dense)
+                if new_dense is not shaped_dense:
+                    scores = sparse_router_weights(
+                        new_dense.reshape(dense.shape), indices, weights_name
+                    )
+            return logits, scores, indices
+
+        return [
+            self.mlp.register_forward_pre_hook(record_shape),
+            self.router.register_forward_hook(hook),
+        ]
+
+
+class ResultSite(Site):
+    """``attn.hook_result`` [batch pos head d_model]: each head's output through o_proj.
+
+    Reads the o_proj weight through ``require_readable_weight``; the bias is not included.
+    Editing the result replaces the attention output by the sum over heads plus the bias.
+    """
+
+    def __init__(self, o_proj: nn.Module, name: str, n_heads: int, conv1d: bool) -> None:
+        self.module, self.names, self.n_heads, self.conv1d = o_proj, (name,), n_heads, conv1d
+
+    def w_o(self) -> Tensor:
+        from qlens.quant.guards import require_readable_weight
+
+        weight = require_readable_weight(
+            self.module.weight,
+            operation="compute per-head attention results (hook_result)",
+            owner=self.module,
+        )
+        w = weight if self.conv1d else weight.T  # [head*d_head, d_model]
+        return w.reshape(self.n_heads, -1, w.shape[-1])
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+            z = args[0].reshape(*args[0].shape[:-1], self.n_heads, -1)
+            w_o = self.w_o().to(z.dtype)
+            result = torch.einsum("...hd,hdm->...hm", z, w_o)
+            new = points[name](result)
+            if new is result:
+                return output
+            bias = getattr(self.module, "bias", None)
+            summed = new.sum(-2)
+            return summed + bias if bias is not None else summed
+
+        return [self.module.register_forward_hook(hook)]
