@@ -1,0 +1,98 @@
+"""Decode step of an 8B-shaped Llama-like stack of linears (random weights), per scheme vs bf16.
+
+Run on a CUDA GPU: ``python benchmarks/model_decode.py``; prints markdown. Only the linear
+layers are timed (attention, norms and activations are the same for every scheme): 32 layers of
+fused qkv [6144, 4096], o [4096, 4096], fused gate_up [28672, 4096] and down [4096, 14336].
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.nn.functional as F
+
+from qlens.kernels import quantized_linear
+from qlens.kernels.timing import header, time_graph
+from qlens.quant.quantize import quantize_weight
+
+LAYERS = 32
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+SCHEMES = (
+    ("fp8-block W8A8", "fp8-block", {}, True),
+    ("fp8-block W8A16", "fp8-block", {}, False),
+    ("int4 g128", "int4", {"group_size": 128}, False),
+    ("mxfp4", "mxfp4", {}, False),
+    ("nvfp4", "nvfp4", {}, False),
+)
+
+
+def _clone(payload):
+    out = copy.copy(payload)
+    for name in ("data", "scales", "zeros", "global_scale"):
+        t = getattr(payload, name)
+        if t is not None:
+            setattr(out, name, t.clone())
+    return out
+
+
+def _step(layer_fns, x_in):
+    """One decode token through every layer's four linears (outputs feed the next input)."""
+
+    def run():
+        h = x_in
+        for qkv, o, gate_up, down in layer_fns:
+            qkv(h)
+            h2 = o(h)
+            up = gate_up(h2)
+            h = down(up[:, :14336])
+
+    return run
+
+
+def main():
+    torch.manual_seed(0)
+    base = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    bf16_layers = [[w.clone() for w in base] for _ in range(LAYERS)]
+    bf16_bytes = sum(w.numel() * 2 for layer in bf16_layers for w in layer)
+    fns = [[lambda a, w=w: F.linear(a, w) for w in layer] for layer in bf16_layers]
+    bf16_us = time_graph([_step(fns, x)], replays=10)
+    del bf16_layers, fns
+    out = [
+        header("qlens decode step, 8B-shaped stack of linears (M = 1)"),
+        "| scheme | step us | speed-up vs bf16 | weight GB | memory vs bf16 |",
+        "|---|---|---|---|---|",
+        f"| bf16 | {bf16_us:.0f} | 1.00x | {bf16_bytes / 1e9:.2f} | 1.00x |",
+    ]
+    print(out[-1], flush=True)
+    for name, scheme, options, w8a8 in SCHEMES:
+        first = [quantize_weight(w, scheme, **options) for w in base]
+        layers = [first] + [[_clone(p) for p in first] for _ in range(LAYERS - 1)]
+        nbytes = sum(p.nbytes for layer in layers for p in layer)
+        fns = [
+            [lambda a, p=p, w8=w8a8: quantized_linear(a, p, w8a8=w8) for p in layer]
+            for layer in layers
+        ]
+        try:
+            us = time_graph([_step(fns, x)], replays=10)
+        except (RuntimeError, ValueError) as err:
+            us = float("nan")
+            print(f"<!-- {name} failed: {str(err)[:300]} -->")
+        out.append(
+            f"| {name} | {us:.0f} | {bf16_us / us:.2f}x | {nbytes / 1e9:.2f} | "
+            f"{bf16_bytes / nbytes:.2f}x less |"
+        )
+        print(out[-1], flush=True)
+        del layers, fns, first
+        torch.cuda.empty_cache()
+    text = "\n".join(out)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "model_decode.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

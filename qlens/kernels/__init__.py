@@ -1,0 +1,34 @@
+"""Triton kernels for quantized weights: fused linear layers and dequantization.
+
+``quantized_linear`` picks a decode (split-K) path for small batches and a GEMM path for large
+ones; ``experts_linear`` runs mixture-of-experts weights grouped by expert;
+``reference_linear`` is the torch reference for every device. Triton itself is imported
+only when a kernel runs, so the reference works without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlens.kernels.configs import LinearConfig, choose_config
+from qlens.kernels.dispatch import quantized_linear, supports
+from qlens.kernels.experts import experts_linear
+from qlens.kernels.reference import reference_linear
+
+__all__ = [
+    "LinearConfig",
+    "choose_config",
+    "dequantize_triton",
+    "experts_linear",
+    "quantized_linear",
+    "reference_linear",
+    "supports",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "dequantize_triton":
+        from qlens.kernels.dequant import dequantize_triton
+
+        return dequantize_triton
+    raise AttributeError(f"module 'qlens.kernels' has no attribute {name!r}")

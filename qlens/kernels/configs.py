@@ -1,0 +1,127 @@
+"""Launch configurations: a small table tuned on the H200, safe defaults elsewhere.
+
+``"gemv"`` serves a few rows with plain FMAs (no tensor cores); the decode path (``"splitk"``)
+runs small M on tensor cores with narrow tiles and splits K over programs so a single token
+still fills the GPU; the ``"gemm"`` path runs large M with wide tensor-core tiles.
+``"dequant"`` decodes the weight once with a Triton kernel and multiplies with cuBLAS;
+``"cublas"`` (W8A8 only) quantizes activations with the Triton kernel and runs cuBLAS' blockwise
+FP8 GEMM when the shape allows it, else the Triton GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from qlens.kernels.runtime import gpu_name, interpreting
+from qlens.quant.codecs.checks import ceil_div
+
+Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tile sizes and launch parameters of one quantized linear launch."""
+
+    path: Path
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+
+# Interpreter and fallback thresholds: up to GEMV_MAX_M rows take the GEMV, up to SPLITK_MAX_M
+# the tensor-core decode path, more rows the GEMM.
+GEMV_MAX_M = 4
+SPLITK_MAX_M = 64
+
+# H200 table: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
+# From the sweeps of benchmarks/kernels.py on 28672 x 8192 (benchmarks/results/kernels_*h200.md):
+# the in-kernel decode feeds tensor cores poorly beyond a few rows, so larger batches dequantize
+# once and multiply with cuBLAS; W8A8 hands batches above 16 rows to cuBLAS' blockwise FP8 GEMM
+# (faster than the Triton split-K from M = 64 on three of the four benchmark shapes).
+_H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (GEMV_MAX_M, "gemv", 16, 32, 256, 4, 3),
+    (32, "splitk", 16, 128, 128, 4, 3),
+    (1 << 62, "dequant", 16, 16, 16, 4, 3),
+)
+_H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (16, "splitk", 16, 64, 128, 4, 4),
+    (1 << 62, "cublas", 128, 128, 128, 8, 3),
+)
+_DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (GEMV_MAX_M, "gemv", 16, 64, 128, 4, 3),
+    (32, "splitk", 16, 64, 64, 4, 3),
+    (1 << 62, "dequant", 16, 16, 16, 4, 3),
+)
+_DEFAULT_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (SPLITK_MAX_M, "splitk", 64, 64, 128, 4, 3),
+    (1 << 62, "gemm", 128, 128, 128, 8, 3),
+)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _split_for(m: int, n: int, k: int, cfg: LinearConfig, sms: int) -> int:
+    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split."""
+    rows = m if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
+    tiles = rows * ceil_div(n, cfg.block_n)
+    k_steps = ceil_div(k, cfg.block_k)
+    split = 1
+    while tiles * split < 2 * sms and k_steps // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def interpreter_config(m: int, n: int, k: int, path: Path | None = None) -> LinearConfig:
+    """Few, large programs: the interpreter pays per program instance and K-step."""
+    if path is None:
+        path = "gemv" if m <= GEMV_MAX_M else "splitk" if m <= SPLITK_MAX_M else "gemm"
+    return LinearConfig(
+        path=path,
+        block_m=max(16, min(64, _next_pow2(m))),
+        block_n=max(16, min(64, _next_pow2(n))),
+        block_k=128,
+    )
+
+
+def choose_config(
+    m: int, n: int, k: int, device: torch.device, *, w8a8: bool = False
+) -> LinearConfig:
+    """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8)."""
+    if interpreting():
+        gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
+        return interpreter_config(m, n, k, "splitk" if gemv_less else None)
+    h200 = "H200" in gpu_name(device)
+    if w8a8:
+        table = _H200_W8A8 if h200 else _DEFAULT_W8A8
+    else:
+        table = _H200_WEIGHT_ONLY if h200 else _DEFAULT_WEIGHT_ONLY
+    for max_m, path, bm, bn, bk, warps, stages in table:
+        if m <= max_m:
+            cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
+            break
+    if cfg.path in ("splitk", "gemv"):
+        cfg = replace(cfg, split_k=_split_for(m, n, k, cfg, _sm_count(device)))
+    return cfg

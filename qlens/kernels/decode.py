@@ -1,0 +1,170 @@
+"""Triton device functions decoding tiles of a quantized weight to float32.
+
+Every family is decoded with the same operation order as its torch codec, so the dequantize
+kernels are bit-exact and the linear kernels see exactly the codec's weights. Packed 4-bit
+weights are decoded as two half tiles (even and odd K) so that no interleaving shuffle is needed:
+the linear kernels multiply them with the even and odd activation columns.
+"""
+
+from typing import no_type_check
+
+import triton
+import triton.language as tl
+
+from qlens.kernels.weights import INT4, INT8, NVFP4
+
+NVFP4_C = tl.constexpr(NVFP4)
+INT4_C = tl.constexpr(INT4)
+INT8_C = tl.constexpr(INT8)
+
+# Each @triton.jit function also carries @no_type_check: Triton compiles the function's own
+# source and globals, so no runtime type-check wrapper may sit between the two.
+
+
+@triton.jit
+@no_type_check
+def e8m0_to_f32(b):
+    """float32 ``2**(b - 127)`` of E8M0 bytes by bit reinterpretation (0 -> 2**-127, 255 -> NaN)."""
+    b = b.to(tl.int32)
+    bits = tl.where(b == 0, 1 << 22, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+@no_type_check
+def e2m1_to_f32(code):
+    """float32 value of 4-bit E2M1 codes (bit 3 is the sign) built from the code's bits."""
+    code = code.to(tl.int32)
+    mag = code & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 126 << 23, 0))
+    bits = bits | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+@no_type_check
+def _group_values(ptr, offs_n, groups, N, n_groups, stride, GROUP_N: tl.constexpr, other):
+    """Per-group values (scales or zeros) at rows ``offs_n`` and group indices ``groups``.
+
+    ``groups`` is a ``[1, C]`` row of group indices; returns ``[BN, C]``.
+    """
+    rows = (offs_n // GROUP_N)[:, None]
+    mask = (offs_n < N)[:, None] & (groups < n_groups)
+    return tl.load(ptr + rows * stride + groups, mask=mask, other=other)
+
+
+@triton.jit
+@no_type_check
+def _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride, FAMILY: tl.constexpr,
+            GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
+    """float32 multipliers of the groups, the NVFP4 global folded in as the codec does."""
+    if SCALE_E8M0:
+        s = e8m0_to_f32(_group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 127))
+    else:
+        s = _group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 1.0)
+        s = s.to(tl.float32)
+    if FAMILY == NVFP4_C:
+        g = tl.load(global_ptr)
+        if GLOBAL_DIVIDE:
+            s = tl.math.div_rn(s, g)
+        else:
+            s = g * s
+    return s
+
+
+@triton.jit
+@no_type_check
+def _tile_groups(k0, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Indices ``[1, max(BLOCK_K / GROUP_K, 1)]`` of the scale groups a K tile spans."""
+    SPAN: tl.constexpr = BLOCK_K // GROUP_K if BLOCK_K > GROUP_K else 1
+    return (k0 // GROUP_K + tl.arange(0, SPAN))[None, :]
+
+
+@triton.jit
+@no_type_check
+def _expand(values, BLOCK_N: tl.constexpr, COLS: tl.constexpr, RUN: tl.constexpr,
+            SEVERAL: tl.constexpr):  # fmt: skip
+    """Repeat per-group ``[BN, COLS / RUN]`` values ``RUN`` times along K (``[BN, 1]`` stays)."""
+    if SEVERAL:
+        wide = tl.broadcast_to(values[:, :, None], (BLOCK_N, COLS // RUN, RUN))
+        return tl.reshape(wide, (BLOCK_N, COLS))
+    else:
+        return values
+
+
+@triton.jit
+@no_type_check
+def decode_packed_halves(
+    data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """float32 ``(W[n, k0 + 2j], W[n, k0 + 2j + 1])`` for ``j < BLOCK_K / 2`` of a 4-bit weight.
+
+    Zero outside the matrix. Both elements of a byte share one group (groups are even).
+    """
+    HALF: tl.constexpr = BLOCK_K // 2
+    n_groups = tl.cdiv(K, GROUP_K)
+    offs_b = k0 // 2 + tl.arange(0, HALF)
+    if EVEN_K:  # no mask along K, so the byte loads vectorize
+        mask = (offs_n < N)[:, None]
+    else:
+        mask = (offs_n < N)[:, None] & (offs_b < tl.cdiv(K, 2))[None, :]
+    packed = tl.load(data_ptr + offs_n[:, None] * stride_d + offs_b[None, :], mask=mask, other=0)
+    lo = packed & 0xF
+    hi = packed >> 4
+    groups = _tile_groups(k0, GROUP_K, BLOCK_K)
+    s = _expand(
+        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, GROUP_N,
+                SCALE_E8M0, GLOBAL_DIVIDE),
+        BLOCK_N, HALF, GROUP_K // 2, BLOCK_K > GROUP_K,
+    )  # fmt: skip
+    if FAMILY == INT4_C:
+        if HAS_ZEROS:
+            z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, GROUP_N, 0)
+            z = _expand(z.to(tl.int32), BLOCK_N, HALF, GROUP_K // 2, BLOCK_K > GROUP_K)
+        else:
+            z = 8
+        even = (lo.to(tl.int32) - z).to(tl.float32)
+        odd = (hi.to(tl.int32) - z).to(tl.float32)
+    else:
+        even = e2m1_to_f32(lo)
+        odd = e2m1_to_f32(hi)
+    return even * s, odd * s
+
+
+@triton.jit
+@no_type_check
+def decode_byte_tile(
+    data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """float32 ``W[n, k0:k0 + BLOCK_K]`` of a one-byte-per-element weight (e4m3 or int8)."""
+    n_groups = tl.cdiv(K, GROUP_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = (offs_n < N)[:, None]
+    else:
+        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    q = tl.load(data_ptr + offs_n[:, None] * stride_d + offs_k[None, :], mask=mask, other=0)
+    groups = _tile_groups(k0, GROUP_K, BLOCK_K)
+    s = _expand(
+        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, GROUP_N,
+                SCALE_E8M0, GLOBAL_DIVIDE),
+        BLOCK_N, BLOCK_K, GROUP_K, BLOCK_K > GROUP_K,
+    )  # fmt: skip
+    if FAMILY == INT8_C:
+        if HAS_ZEROS:
+            z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, GROUP_N, 0)
+            z = _expand(z.to(tl.int32), BLOCK_N, BLOCK_K, GROUP_K, BLOCK_K > GROUP_K)
+            w = (q.to(tl.int32) - z).to(tl.float32)
+        else:
+            w = q.to(tl.float32)
+    else:  # e4m3 bytes, passed as uint8 so that masked lanes load +0.0
+        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return w * s

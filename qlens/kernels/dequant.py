@@ -1,0 +1,100 @@
+"""GPU dequantize kernels: a qlens payload to a dense float matrix, bit-exact with the codecs."""
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.launch import kernel_args, kernel_constants, on_device
+from qlens.kernels.numerics import cast_out
+from qlens.kernels.runtime import interpreting, require_kernel_device
+from qlens.kernels.weights import kernel_weight
+from qlens.quant.payload import QuantPayload
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+@no_type_check
+def _dequant_kernel(
+    data_ptr,
+    scale_ptr,
+    zero_ptr,
+    global_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_d,
+    stride_s,
+    stride_o,
+    FAMILY: tl.constexpr,
+    PACKED: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    if PACKED:
+        even, odd = decode_packed_halves(
+            data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+            FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+    else:
+        w = decode_byte_tile(
+            data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+            FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    tl.store(
+        out_ptr + offs_n[:, None] * stride_o + offs_k[None, :],
+        cast_out(w, out_ptr.dtype.element_ty, INTERPRET),
+        mask=mask,
+    )
+
+
+def _blocks(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): few huge tiles in the interpreter, 16 KB tiles on a GPU."""
+    if interpreting():
+        return max(16, min(64, triton.next_power_of_2(n))), 128, 4
+    return 32, 256, 4
+
+
+def dequantize_triton(
+    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16
+) -> Float[Tensor, "*experts n k"]:
+    """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
+
+    Decoded by a Triton kernel, bit-exact with ``qlens.dequantize(payload, dtype)`` for the
+    fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts.
+    """
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
+    if len(payload.shape) == 3:
+        from qlens.kernels.experts import expert_payload
+
+        experts = range(payload.shape[0])
+        return torch.stack([dequantize_triton(expert_payload(payload, e), dtype) for e in experts])
+    w = kernel_weight(payload)
+    require_kernel_device(w.data.device)
+    out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
+    block_n, block_k, warps = _blocks(w.n, w.k)
+    grid = (triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))
+    with on_device(out.device):
+        _dequant_kernel[grid](
+            *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
+            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=warps,
+        )  # fmt: skip
+    return out

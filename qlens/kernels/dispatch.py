@@ -1,0 +1,88 @@
+"""Public entry points: run a quantized linear on the best Triton path for its shape."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig, choose_config
+from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
+from qlens.kernels.weights import kernel_weight, unsupported_reason
+from qlens.quant.payload import QuantPayload
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supports(payload: QuantPayload, device: torch.device | str) -> bool:
+    """True when ``quantized_linear`` can run ``payload`` on ``device``."""
+    return (
+        kernel_device_problem(torch.device(device)) is None and unsupported_reason(payload) is None
+    )
+
+
+def quantized_linear(
+    x: Float[Tensor, "*batch k"],
+    payload: QuantPayload,
+    bias: Float[Tensor, " n"] | None = None,
+    *,
+    w8a8: bool = False,
+    config: LinearConfig | None = None,
+) -> Float[Tensor, "*batch n"]:
+    """``x @ W.T + bias`` for the weight ``payload`` encodes, computed by Triton kernels.
+
+    By default the weight is decoded to ``x``'s dtype (bf16, fp16 or fp32) inside the kernel, so
+    the result matches ``reference_linear`` up to the matmul's rounding. ``w8a8=True`` (fp8_block
+    only) also quantizes the activations per token and K block to FP8 and runs an FP8 tensor-core
+    GEMM; it matches ``reference_w8a8_linear``. ``config`` overrides the launch the dispatcher
+    would choose (``choose_config``). Runs on CUDA devices, or on the CPU under
+    ``TRITON_INTERPRET=1``; elsewhere use ``qlens.kernels.reference_linear``.
+    """
+    require_kernel_device(x.device)
+    w = kernel_weight(payload)
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(
+            f"quantized_linear takes {[str(d) for d in ACTIVATION_DTYPES]} activations, got "
+            f"{x.dtype}; cast the input first"
+        )
+    if x.shape[-1] != w.k:
+        raise ValueError(
+            f"input's last dim is {x.shape[-1]} but the weight has in_features {w.k} "
+            f"(weight shape [{w.n}, {w.k}])"
+        )
+    if w.data.device != x.device:
+        raise ValueError(
+            f"input is on {x.device} but the quantized weight is on {w.data.device}; move one "
+            "of them (payload.to(device))"
+        )
+    if bias is not None and (bias.shape != (w.n,) or bias.device != x.device):
+        raise ValueError(
+            f"bias must have shape [{w.n}] on {x.device}, got {list(bias.shape)} on {bias.device}"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*lead, w.n))
+    cfg = config or choose_config(m, w.n, w.k, x.device, w8a8=w8a8)
+    if w8a8:
+        from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
+
+        out = fp8_block_w8a8_linear(x2, w, bias, cfg)
+    elif cfg.path == "gemv":
+        from qlens.kernels.gemv import gemv_linear
+
+        out = gemv_linear(x2, w, bias, cfg)
+    elif cfg.path == "dequant":
+        from qlens.kernels.dequant import dequantize_triton
+
+        b = None if bias is None else bias.to(x.dtype)
+        out = F.linear(x2, dequantize_triton(payload, x.dtype), b)
+    else:
+        from qlens.kernels.linear import weight_only_linear
+
+        out = weight_only_linear(x2, w, bias, cfg)
+    return out.reshape(*lead, w.n)

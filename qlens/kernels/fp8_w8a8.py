@@ -1,0 +1,203 @@
+"""W8A8 block FP8: per-token 1 x group activation quantization, then an FP8 tensor-core GEMM
+with the activation and weight block scales applied once per K block."""
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float, Float8e4m3fn
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.decode import e8m0_to_f32
+from qlens.kernels.launch import on_device
+from qlens.kernels.linear import reduce_splits
+from qlens.kernels.numerics import cast_out, f32_to_e4m3_bits
+from qlens.kernels.runtime import interpreting
+from qlens.kernels.weights import FP8_BLOCK, KernelWeight
+from qlens.quant.codecs.elements import decode_e8m0
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+@no_type_check
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    offs_k = g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(amax, 448.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    if INTERPRET:
+        codes = f32_to_e4m3_bits(v)
+    else:
+        codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + g, scale, mask=offs_m < M)
+
+
+def quantize_activations(
+    x: Float[Tensor, "m k"], group: int = 128
+) -> tuple[Float8e4m3fn[Tensor, "m k"], Float[Tensor, "m groups"]]:
+    """Per-token, per-``group`` dynamic FP8: ``x ~ q * s`` with ``s = amax / 448`` (1 for zeros).
+
+    Returns e4m3 codes ``[m, k]`` and float32 scales ``[m, ceil(k / group)]``.
+    """
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    block_m = 64 if interpreting() else 16
+    with on_device(x.device):
+        _act_quant_kernel[(triton.cdiv(m, block_m), groups)](
+            x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
+            GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
+        )  # fmt: skip
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+@triton.jit
+@no_type_check
+def _fp8_block_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_split,
+    GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    kb_begin = pid_k * per_split
+    kb_end = tl.minimum(kb_begin + per_split, steps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(
+            a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0,
+        ).to(tl.float8e4nv, bitcast=True)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0,
+        ).to(tl.float8e4nv, bitcast=True)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + kb, mask=m_mask, other=1.0)
+        w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn + kb, mask=n_mask, other=1)
+        if SCALE_E8M0:
+            w_s = e8m0_to_f32(w_s)
+        if INTERPRET:
+            d = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(a, tl.trans(w))
+        acc += d * a_s[:, None] * w_s.to(tl.float32)[None, :]
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    else:
+        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(partial, acc, mask=mask)
+
+
+def fp8_block_w8a8_linear(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    cfg: LinearConfig,
+) -> Float[Tensor, "m n"]:
+    """``quant(x) @ W.T + bias`` for a block-FP8 weight, activations quantized per token."""
+    if w.family != FP8_BLOCK:
+        raise ValueError(f"W8A8 runs fp8_block weights only, got {w.name}")
+    if w.group_k > 256:
+        raise ValueError(f"W8A8 needs a weight block of at most 256 along K, got {w.group_k}")
+    m, k = x.shape
+    n = w.n
+    a, a_scales = quantize_activations(x, w.group_k)
+    if cfg.path == "cublas" and cublas_blockwise_fits(m, w, x.device, x.dtype):
+        return _cublas_blockwise(a, a_scales, w, bias, x.dtype)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split = cfg.split_k if cfg.path == "splitk" else 1
+    block_m = cfg.block_m if cfg.path != "cublas" else (128 if m > 64 else 64)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n), split)
+    bias_arg = bias if bias is not None else x
+    with on_device(x.device):
+        _fp8_block_gemm_kernel[grid](
+            a.view(torch.uint8), a_scales, w.data.view(torch.uint8), w.scales, bias_arg, target,
+            m, n, k, a.stride(0), a_scales.stride(0), w.data.stride(0), w.scales.stride(0), n,
+            target.stride(0) if split > 1 else 0,
+            GROUP_N=w.group_n, SCALE_E8M0=w.scale_e8m0, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_k, SPLIT_K=split,
+            GROUP_M=cfg.group_m, INTERPRET=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if split > 1:
+        reduce_splits(target, bias, out)
+    return out
+
+
+def cublas_blockwise_fits(
+    m: int, w: KernelWeight, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether cuBLAS' blockwise FP8 GEMM (``torch._scaled_mm``, Hopper) takes this product.
+
+    It needs 1x128 activation and 128x128 weight blocks, whole blocks along N and K, a K block
+    count divisible by 4, M a multiple of 16 and bf16 output (the case measured and tested).
+    """
+    return (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
+        and not interpreting()
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and (w.group_n, w.group_k) == (128, 128)
+        and w.n % 128 == 0
+        and w.k % 512 == 0
+        and m % 16 == 0
+    )
+
+
+def _cublas_blockwise(
+    a: Float8e4m3fn[Tensor, "m k"],
+    a_scales: Float[Tensor, "m groups"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    dtype: torch.dtype,
+) -> Float[Tensor, "m n"]:
+    """The FP8 GEMM by cuBLAS on qlens' quantized activations (same scales, same codes)."""
+    w_scales = decode_e8m0(w.scales) if w.scale_e8m0 else w.scales
+    out = torch._scaled_mm(
+        a,
+        w.data.t(),
+        scale_a=a_scales.t().contiguous().t(),
+        scale_b=w_scales.t(),
+        out_dtype=dtype,
+    )
+    return out if bias is None else out.add_(bias)

@@ -1,0 +1,102 @@
+"""Weight-only GEMV for a few rows: decoded weights meet the activations in plain FMAs.
+
+No tensor cores and no shared memory: each program streams a ``[BLOCK_N, BLOCK_K]`` strip of
+the packed weight with wide loads, decodes it in registers and reduces along K once at the end.
+One program per (N tile, row, K split), so small M re-reads the strip from L2, not memory.
+"""
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.launch import kernel_args, kernel_constants, on_device
+from qlens.kernels.linear import reduce_splits
+from qlens.kernels.numerics import cast_out
+from qlens.kernels.runtime import interpreting
+from qlens.kernels.weights import KernelWeight
+
+
+@triton.jit
+@no_type_check
+def _gemv_kernel(
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
+    FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_span
+    k_end = tl.minimum(k_begin + k_span, K)
+    x_row = x_ptr + row * stride_xm
+    if PACKED:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if PACKED:
+            even, odd = decode_packed_halves(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
+                EVEN_K,
+            )  # fmt: skip
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+            acc += even * x_even[None, :] + odd * x_odd[None, :]
+        else:
+            w = decode_byte_tile(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
+                EVEN_K,
+            )  # fmt: skip
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
+            acc += w * x.to(tl.float32)[None, :]
+    total = tl.sum(acc, axis=1)
+    n_mask = offs_n < N
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out = cast_out(total, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_split + row * stride_om + offs_n, total, mask=n_mask)
+
+
+def gemv_linear(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    cfg: LinearConfig,
+) -> Float[Tensor, "m n"]:
+    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel."""
+    m, k = x.shape
+    n = w.n
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split = cfg.split_k
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), m, split)
+    with on_device(x.device):
+        _gemv_kernel[grid](
+            x, *kernel_args(w), bias if bias is not None else x, target,
+            m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n,
+            target.stride(0) if split > 1 else 0,
+            **kernel_constants(w), HAS_BIAS=bias is not None,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+            SPLIT_K=split, INTERPRET=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if split > 1:
+        reduce_splits(target, bias, out)
+    return out

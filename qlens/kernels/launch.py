@@ -1,0 +1,45 @@
+"""Shared launch plumbing: the tensors and compile-time constants a weight passes to a kernel."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
+
+
+def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scales, zeros, global_scale) pointers; absent tensors are replaced by the scales.
+
+    FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0.
+    """
+    data = w.data.view(torch.uint8) if w.data.dtype == torch.float8_e4m3fn else w.data
+    zeros = w.zeros if w.zeros is not None else w.scales
+    global_scale = w.global_scale if w.global_scale is not None else w.scales
+    return data, w.scales, zeros, global_scale
+
+
+def kernel_constants(w: KernelWeight) -> dict[str, Any]:
+    """The compile-time constants describing the weight's format."""
+    return {
+        "FAMILY": w.family,
+        "PACKED": w.family in (MXFP4, NVFP4, INT4),
+        "GROUP_N": w.group_n,
+        "GROUP_K": w.group_k,
+        "SCALE_E8M0": w.scale_e8m0,
+        "HAS_ZEROS": w.zeros is not None,
+        "GLOBAL_DIVIDE": w.global_divide,
+    }
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Launch on ``device``'s GPU (so weights split across GPUs run where they live)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield

@@ -1,0 +1,166 @@
+"""Weight-only quantized linear (W4A16 / W8A16): the weight is decoded to the activation dtype
+inside the K loop and multiplied on tensor cores; small M splits K over programs."""
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.launch import kernel_args, kernel_constants, on_device
+from qlens.kernels.numerics import cast_out
+from qlens.kernels.runtime import interpreting
+from qlens.kernels.weights import KernelWeight
+
+
+@triton.jit
+@no_type_check
+def _dot_acc(x, w, acc, INTERPRET: tl.constexpr):
+    """``acc + x @ w.T`` with ``w`` float32 decoded weights, on tensor cores in ``x``'s dtype."""
+    if INTERPRET or x.dtype == tl.float32:
+        # The interpreter multiplies bf16 bit patterns, so it computes in float32.
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+@no_type_check
+def _weight_only_kernel(
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
+    FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_span
+    k_end = tl.minimum(k_begin + k_span, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if PACKED:
+            w_even, w_odd = decode_packed_halves(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            if EVEN_K:
+                x_even = tl.load(x_rows, mask=m_mask[:, None], other=0.0)
+                x_odd = tl.load(x_rows + 1, mask=m_mask[:, None], other=0.0)
+            else:
+                x_even = tl.load(x_rows, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                x_odd = tl.load(
+                    x_rows + 1, mask=m_mask[:, None] & (offs_k + 1 < K)[None, :], other=0.0
+                )
+            acc = _dot_acc(x_even, w_even, acc, INTERPRET)
+            acc = _dot_acc(x_odd, w_odd, acc, INTERPRET)
+        else:
+            w = decode_byte_tile(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=m_mask[:, None] & ((offs_k < K)[None, :] | EVEN_K),
+                other=0.0,
+            )
+            acc = _dot_acc(x, w, acc, INTERPRET)
+
+    n_mask = offs_n < N
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    else:
+        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(partial, acc, mask=mask)
+
+
+@triton.jit
+@no_type_check
+def _reduce_splits_kernel(
+    partial_ptr, bias_ptr, out_ptr, M, N, stride_split, stride_pm, stride_om,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Sum the split-K partials in a fixed order (deterministic), add the bias, cast."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    m = offs // N
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(partial_ptr + s * stride_split + m * stride_pm + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + m * stride_om + n, cast_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask
+    )
+
+
+def weight_only_linear(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    cfg: LinearConfig,
+) -> Float[Tensor, "m n"]:
+    """``x @ W.T + bias`` with ``W`` decoded in-kernel; ``x`` is a contiguous 2-D matrix."""
+    m, k = x.shape
+    n = w.n
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    interpret = interpreting()
+    split = cfg.split_k if cfg.path == "splitk" else 1
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    bias_arg = bias if bias is not None else x
+    with on_device(x.device):
+        _weight_only_kernel[grid](
+            x, *kernel_args(w), bias_arg, target,
+            m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n,
+            target.stride(0) if split > 1 else 0,
+            **kernel_constants(w), HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+            EVEN_K=k % cfg.block_k == 0,
+            GROUP_M=cfg.group_m, INTERPRET=interpret,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if split > 1:
+        reduce_splits(target, bias, out)
+    return out
+
+
+def reduce_splits(
+    partials: Float[Tensor, "split m n"],
+    bias: Float[Tensor, " n"] | None,
+    out: Float[Tensor, "m n"],
+) -> None:
+    """``out = sum(partials) + bias``, summed in split order so results are deterministic."""
+    split, m, n = partials.shape
+    block = 1024
+    with on_device(out.device):
+        _reduce_splits_kernel[(triton.cdiv(m * n, block),)](
+            partials, bias if bias is not None else out, out, m, n, partials.stride(0), n, n,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=interpreting(),
+        )  # fmt: skip

@@ -1,0 +1,48 @@
+"""Where Triton kernels can run: a CUDA device, or the CPU under ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_device_problem(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device``, or ``None`` when they can."""
+    if not triton_available():
+        return "the 'triton' package is not installed (pip install 'qlens[triton]')"
+    if device.type == "cuda":
+        if interpreting():
+            return "TRITON_INTERPRET=1 is set, so Triton only runs CPU tensors"
+        return None
+    if device.type == "cpu" and interpreting():
+        return None
+    return (
+        f"Triton kernels need a CUDA device (got {device.type!r}); on the CPU use "
+        "qlens.kernels.reference_linear / qlens.dequantize, or set TRITON_INTERPRET=1 to run "
+        "the kernels slowly in Triton's interpreter"
+    )
+
+
+def require_kernel_device(device: torch.device) -> None:
+    """Raise ``RuntimeError`` explaining why Triton kernels cannot run on ``device``."""
+    problem = kernel_device_problem(device)
+    if problem is not None:
+        raise RuntimeError(f"qlens Triton kernels cannot run: {problem}")
+
+
+def gpu_name(device: torch.device) -> str:
+    """The accelerator's name (``"cpu-interpreter"`` on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu-interpreter"

@@ -1,0 +1,45 @@
+"""Weights, schemes and error measures shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from qlens.quant.payload import QuantPayload
+from qlens.quant.quantize import quantize_weight
+
+# (scheme, options) covering every family and variant the kernels read.
+SCHEMES: tuple[tuple[str, dict[str, object]], ...] = (
+    ("fp8-block", {}),
+    ("fp8-block", {"scale_dtype": "e8m0"}),
+    ("fp8-block", {"block_size": (32, 64)}),
+    ("mxfp8", {}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+    ("int4", {"group_size": 32}),
+    ("int4", {"group_size": 128, "asymmetric": True, "scale_dtype": "bf16"}),
+    ("int8", {"group_size": 64}),
+    ("int8", {"group_size": 32, "asymmetric": True, "scale_dtype": "fp16"}),
+)
+
+
+def scheme_id(case: tuple[str, dict[str, object]]) -> str:
+    scheme, options = case
+    return scheme + "".join(f"-{k}={v}" for k, v in options.items())
+
+
+def quantized(n: int, k: int, case: tuple[str, dict[str, object]], seed: int = 0) -> QuantPayload:
+    """A payload of a random ``[n, k]`` weight with outliers, from qlens' own quantizer."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (
+        torch.randn(n, k, generator=gen)
+        * torch.logspace(-2, 1, k)[torch.randperm(k, generator=gen)]
+    )
+    scheme, options = case
+    return quantize_weight(w, scheme, **options)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``|out - ref| / |ref|`` in float64 (NaN never passes)."""
+    out64, ref64 = out.double(), ref.double()
+    err = ((out64 - ref64).norm() / ref64.norm()).item()
+    return err if err == err else float("inf")

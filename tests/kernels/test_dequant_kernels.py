@@ -1,0 +1,53 @@
+"""GPU dequantize kernels, run in Triton's interpreter: bit-exact with the torch codecs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import SCHEMES, quantized, scheme_id
+
+from qlens.kernels import dequantize_triton
+from qlens.quant.dequantize import dequantize
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_dequantize_triton_is_bit_exact(case):
+    payload = quantized(37, 300, case)  # ragged N and K: partial tiles, groups and blocks
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = dequantize_triton(payload, dtype)
+        assert out.dtype == dtype
+        assert torch.equal(out, dequantize(payload, dtype))
+
+
+def test_e8m0_special_bytes_decode_exactly():
+    # 0 -> 2**-127 (a subnormal, not zero), 240 -> 2**113: bits reinterpreted, never cast.
+    payload = quantized(4, 64, ("mxfp8", {}))
+    payload.scales = torch.tensor([[0, 1], [127, 240], [200, 126], [128, 3]], dtype=torch.uint8)
+    out = dequantize_triton(payload, torch.float32)
+    assert torch.equal(out, dequantize(payload, torch.float32))
+    assert out[0, 0] == payload.data[0, 0].float() * 2.0**-127
+
+
+def test_nvfp4_divide_convention_is_bit_exact():
+    from qlens.quant.codecs.nvfp4 import pack_nvfp4
+
+    ref_payload = quantized(20, 96, ("nvfp4", {}))
+    payload = pack_nvfp4(
+        ref_payload.data,
+        ref_payload.scales,
+        torch.tensor(3.0) / ref_payload.global_scale,
+        (20, 96),
+        global_convention="divide",
+    )
+    assert torch.equal(
+        dequantize_triton(payload, torch.float32), dequantize(payload, torch.float32)
+    )
+
+
+def test_dequantize_triton_rejects_other_packings_and_dtypes():
+    payload = quantized(8, 64, ("int4", {"group_size": 32}))
+    with pytest.raises(ValueError, match="outputs"):
+        dequantize_triton(payload, torch.int8)
+    payload.layout = {"packing": "gptq"}
+    with pytest.raises(ValueError, match="repack_to_qlens"):
+        dequantize_triton(payload, torch.float32)

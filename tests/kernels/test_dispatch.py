@@ -1,0 +1,61 @@
+"""The dispatcher's choices and the clear errors of the public kernel API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import quantized
+
+from qlens.kernels import LinearConfig, choose_config, quantized_linear, supports
+from qlens.kernels.configs import GEMV_MAX_M, SPLITK_MAX_M
+
+
+def test_small_batches_take_the_decode_paths_and_large_the_gemm_path():
+    cpu = torch.device("cpu")
+    for m in (1, GEMV_MAX_M):
+        assert choose_config(m, 4096, 4096, cpu).path == "gemv"
+        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "splitk"
+    for m in (GEMV_MAX_M + 1, SPLITK_MAX_M):
+        assert choose_config(m, 4096, 4096, cpu).path == "splitk"
+    for m in (SPLITK_MAX_M + 1, 4096):
+        assert choose_config(m, 4096, 4096, cpu).path == "gemm"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="power of two"):
+        LinearConfig("gemm", 48, 64, 64)
+    with pytest.raises(ValueError, match="split_k"):
+        LinearConfig("splitk", 16, 64, 64, split_k=0)
+
+
+def test_supports():
+    payload = quantized(16, 64, ("int4", {"group_size": 32}))
+    assert supports(payload, "cpu")  # the interpreter runs CPU tensors in the tests
+    assert not supports(quantized(16, 64, ("int8", {"group_size": 32})).to("meta"), "meta")
+    payload.layout = {"packing": "gptq"}
+    assert not supports(payload, "cpu")
+
+
+def test_cpu_without_interpreter_points_at_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    payload = quantized(16, 64, ("int4", {"group_size": 32}))
+    with pytest.raises(RuntimeError, match="reference_linear"):
+        quantized_linear(torch.randn(2, 64), payload)
+
+
+def test_bad_inputs_raise_clear_errors():
+    payload = quantized(16, 64, ("mxfp4", {}))
+    with pytest.raises(ValueError, match="in_features 64"):
+        quantized_linear(torch.randn(2, 65), payload)
+    with pytest.raises(ValueError, match="activations"):
+        quantized_linear(torch.randn(2, 64).double(), payload)
+    with pytest.raises(ValueError, match=r"bias must have shape \[16\]"):
+        quantized_linear(torch.randn(2, 64), payload, torch.randn(15))
+    payload.layout = {**payload.layout, "scale_swizzle": "32_4_4"}
+    with pytest.raises(ValueError, match="scale_swizzle"):
+        quantized_linear(torch.randn(2, 64), payload)
+
+
+def test_empty_batch():
+    payload = quantized(16, 64, ("int8", {"group_size": 32}))
+    assert quantized_linear(torch.randn(0, 64), payload).shape == (0, 16)

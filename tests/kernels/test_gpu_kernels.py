@@ -1,0 +1,90 @@
+"""The kernels compiled for a real GPU against the torch reference (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import SCHEMES, quantized, rel_err, scheme_id
+
+from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
+from qlens.kernels.fp8_w8a8 import quantize_activations
+from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
+from qlens.kernels.runtime import interpreting
+from qlens.quant.dequantize import dequantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or interpreting(),
+        reason="needs a CUDA GPU with TRITON_INTERPRET=0",
+    ),
+]
+# bf16 weights/outputs round at 2**-9 relative; fp16 at 2**-11; fp32 runs IEEE dots.
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+CONFIGS = (
+    None,
+    LinearConfig("gemv", 16, 64, 128, split_k=2),
+    LinearConfig("splitk", 16, 32, 64, split_k=3),
+    LinearConfig("gemm", 64, 64, 32, num_warps=4),
+    LinearConfig("dequant", 16, 16, 16),
+)
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_dequantize_kernel_bit_exact_on_gpu(case):
+    p = quantized(300, 520, case).to("cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_triton(p, dtype), dequantize(p, dtype))
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+def test_weight_only_linear_matches_reference_on_gpu(case, dtype):
+    p = quantized(300, 520, case).to("cuda")
+    weight = dequantize(p, torch.float64)
+    bias = torch.randn(300, device="cuda").to(dtype)
+    for m in (1, 3, 7, 300):
+        x = torch.randn(2, m, 520, device="cuda").to(dtype)
+        ref = torch.nn.functional.linear(x.double(), weight, bias.double())
+        for cfg in CONFIGS:
+            out = quantized_linear(x, p, bias, config=cfg)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert rel_err(out, ref) < TOLERANCE[dtype], (m, cfg)
+
+
+@pytest.mark.parametrize("case", SCHEMES[:3], ids=scheme_id)
+def test_w8a8_matches_reference_on_gpu(case):
+    p = quantized(300, 520, case).to("cuda")
+    for m in (1, 40, 600):
+        x = torch.randn(m, 520, device="cuda", dtype=torch.bfloat16)
+        ref = reference_w8a8_linear(x.double(), p)
+        for cfg in (None, LinearConfig("splitk", 16, 64, 128, split_k=2)):
+            assert rel_err(quantized_linear(x, p, w8a8=True, config=cfg), ref) < 8e-3
+
+
+def test_activation_quant_matches_reference_on_gpu():
+    x = torch.randn(77, 1000, device="cuda") * torch.logspace(-10, 3, 1000, device="cuda")
+    x[5] = 0
+    codes, scales = quantize_activations(x.bfloat16(), 128)
+    # On the CPU: CUDA torch divides by a Python scalar through its reciprocal.
+    ref_codes, ref_scales = reference_act_quant(x.bfloat16().cpu(), 128)
+    assert torch.equal(scales.cpu(), ref_scales)
+    assert torch.equal(codes.view(torch.uint8).cpu(), ref_codes.view(torch.uint8))
+
+
+def test_dispatcher_paths_on_gpu():
+    device = torch.device("cuda")
+    assert choose_config(1, 28672, 8192, device).path == "gemv"
+    assert choose_config(16, 28672, 8192, device).path == "splitk"
+    assert choose_config(4096, 28672, 8192, device).path in ("gemm", "dequant")
+    assert choose_config(16, 4096, 4096, device, w8a8=True).path == "splitk"
+
+
+def test_w8a8_cublas_path_matches_reference_on_gpu():
+    p = quantized(256, 1024, SCHEMES[0]).to("cuda")
+    cfg = LinearConfig("cublas", 128, 128, 128, num_warps=8)
+    bias = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    for m in (1024, 1000):  # 1000 rows do not fit cuBLAS and take the Triton GEMM
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        ref = reference_w8a8_linear(x.double(), p, bias.double())
+        assert rel_err(quantized_linear(x, p, bias, w8a8=True, config=cfg), ref) < 8e-3
