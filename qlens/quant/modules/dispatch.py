@@ -1,0 +1,62 @@
+"""Route a quantized matmul to the Triton kernel when the device supports it, else the torch reference."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.quant.payload import QuantPayload
+
+logger = logging.getLogger(__name__)
+
+
+def payload_linear(
+    x: Float[Tensor, "*batch in_features"],
+    payload: QuantPayload,
+    bias: Float[Tensor, " out_features"] | None = None,
+) -> Float[Tensor, "*batch out_features"]:
+    """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
+
+    Uses ``qlens.kernels.quantized_linear`` on an accelerator that supports the payload's format,
+    and ``qlens.kernels.reference_linear`` (dequantize then matmul) everywhere else.
+    """
+    from qlens import kernels
+
+    if x.device.type != "cpu":
+        if kernels.supports(payload, x.device):
+            return kernels.quantized_linear(x, payload, bias)
+        _warn_reference_on_accelerator(payload, x.device)
+    return kernels.reference_linear(x, payload, bias)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_reference_on_accelerator(payload: QuantPayload, device: torch.device) -> None:
+    """Say once per format and reason that an accelerator runs the slow reference path."""
+    from qlens.kernels.runtime import kernel_device_problem
+    from qlens.kernels.weights import unsupported_reason
+
+    reason = kernel_device_problem(device) or unsupported_reason(payload) or "unsupported"
+    key = (payload.format.name, reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            "qlens runs %s weights on %s with the torch reference (dequantize, then matmul), "
+            "not its Triton kernels: %s",
+            payload.format.name,
+            device,
+            reason,
+        )
+
+
+def check_payload_device(payload: QuantPayload, x: torch.Tensor, owner: str) -> None:
+    """Raise when the activations and the packed weight live on different devices."""
+    if payload.device != x.device:
+        raise RuntimeError(
+            f"{owner}: input is on {x.device} but its quantized weight is on {payload.device}; "
+            f"move the model with .to({str(x.device)!r}) or the input to {str(payload.device)!r}"
+        )

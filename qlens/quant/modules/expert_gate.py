@@ -1,0 +1,62 @@
+"""How a fused experts module turns its gate|up projection into the down projection's input."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any
+
+from jaxtyping import Float
+from torch import Tensor, nn
+
+GATE_LAYOUTS = ("stacked", "interleaved")
+
+
+@dataclass(frozen=True)
+class ExpertGate:
+    """Gating rule of a fused experts module.
+
+    ``layout``: ``"stacked"`` rows are ``[gate; up]`` (Mixtral, Qwen3-MoE, FP8Experts),
+    ``"interleaved"`` rows are ``[g0, u0, g1, u1, ...]`` (GPT-OSS). ``activation``: a transformers
+    activation name (``act(gate) * up``) or ``"clamped_swiglu"`` (GPT-OSS:
+    ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``).
+    """
+
+    layout: str
+    activation: str
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in GATE_LAYOUTS:
+            raise ValueError(f"gate layout must be one of {GATE_LAYOUTS}; got {self.layout!r}")
+        if self.activation == "clamped_swiglu" and (self.alpha is None or self.limit is None):
+            raise ValueError("the clamped_swiglu gate needs both alpha and limit")
+
+    @cached_property
+    def _act(self) -> nn.Module:
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[self.activation]
+
+    def split(
+        self, gate_up: Float[Tensor, "*batch two_i"]
+    ) -> tuple[Float[Tensor, "*batch i"], Float[Tensor, "*batch i"]]:
+        """The gate and up halves of a gate|up projection output."""
+        if self.layout == "interleaved":
+            return gate_up[..., ::2], gate_up[..., 1::2]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate, up
+
+    def apply(self, gate_up: Float[Tensor, "*batch two_i"]) -> Float[Tensor, "*batch i"]:
+        """The down projection's input."""
+        gate, up = self.split(gate_up)
+        if self.activation == "clamped_swiglu":
+            alpha, limit = float(self.alpha or 0.0), float(self.limit or 0.0)  # both set (checked)
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * (gate * alpha).sigmoid())
+        return self._act(gate) * up
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,117 @@
+"""QuantExperts: drop-in quantized replacement for transformers' fused MoE experts modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtyping import Float, Integer
+from torch import Tensor, nn
+
+from qlens.quant.modules.dispatch import check_payload_device, payload_linear
+from qlens.quant.modules.expert_gate import ExpertGate
+from qlens.quant.modules.expert_payloads import num_experts_of, select_expert
+from qlens.quant.modules.payload_buffers import PayloadModule
+from qlens.quant.modules.routing import route_to_experts
+from qlens.quant.payload import QuantPayload
+
+
+class QuantExperts(PayloadModule):
+    """Fused experts with quantized ``gate_up`` ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` payloads.
+
+    Replaces the experts module of Mixtral, Qwen3-MoE or GPT-OSS (and transformers' FP8Experts)
+    with the same call: ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``
+    returns ``[T, H]``; the parent block still routes. Payloads use the logical ``[out, in]``
+    orientation on every model (GPT-OSS' ``[E, in, out]`` weights are transposed when quantized);
+    ``gate`` says how gate and up rows are laid out and combined. Each expert's matmul dispatches
+    like :class:`~qlens.quant.modules.QuantLinear`.
+    """
+
+    def __init__(
+        self,
+        gate_up: QuantPayload,
+        down: QuantPayload,
+        gate: ExpertGate,
+        gate_up_bias: Float[Tensor, "experts two_i"] | None = None,
+        down_bias: Float[Tensor, "experts hidden"] | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts_of(gate_up)
+        _, two_i, self.hidden_dim = (int(s) for s in gate_up.shape)
+        if two_i % 2:
+            raise ValueError(f"gate_up payload has an odd output size {two_i}; expected 2 * I rows")
+        self.intermediate_dim = two_i // 2
+        expected_down = (self.num_experts, self.hidden_dim, self.intermediate_dim)
+        if tuple(down.shape) != expected_down:
+            raise ValueError(
+                f"down payload has shape {list(down.shape)}; with gate_up {list(gate_up.shape)} it "
+                f"must be [experts, hidden, intermediate] = {list(expected_down)}"
+            )
+        self.gate = gate
+        self.register_payload("gate_up", gate_up)
+        self.register_payload("down", down)
+        self.gate_up_bias = _frozen(gate_up_bias)
+        self.down_bias = _frozen(down_bias)
+
+    @property
+    def payload(self) -> dict[str, QuantPayload]:
+        """Both payloads by the HF parameter names (``qlens.dequantize(experts)`` reads this)."""
+        return {"gate_up_proj": self.gate_up_payload, "down_proj": self.down_payload}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("gate_up_proj", "down_proj"):
+            raise AttributeError(
+                f"QuantExperts holds quantized payloads, not a float {name}. Read them with "
+                f"`.payload[{name!r}]`, or the float [experts, out, in] weights with "
+                f"`qlens.dequantize(module)[{name!r}]`."
+            )
+        return super().__getattr__(name)
+
+    @property
+    def gate_up_payload(self) -> QuantPayload:
+        return self.payload_for("gate_up")
+
+    @property
+    def down_payload(self) -> QuantPayload:
+        return self.payload_for("down")
+
+    def forward(
+        self,
+        hidden_states: Float[Tensor, "tokens hidden"],
+        top_k_index: Integer[Tensor, "tokens k"] | None = None,
+        top_k_weights: Float[Tensor, "tokens k"] | None = None,
+        *,
+        router_indices: Integer[Tensor, "tokens k"] | None = None,
+        routing_weights: Float[Tensor, "tokens k"] | None = None,
+    ) -> Float[Tensor, "tokens hidden"]:
+        """Mixtral/Qwen3-MoE call ``(hidden, top_k_index, top_k_weights)``; GPT-OSS' keyword
+        names ``router_indices``/``routing_weights`` are accepted too."""
+        index = top_k_index if top_k_index is not None else router_indices
+        weights = top_k_weights if top_k_weights is not None else routing_weights
+        if index is None or weights is None:
+            raise TypeError(
+                "QuantExperts needs the routing: call experts(hidden_states, top_k_index, "
+                "top_k_weights) with the indices and weights from the router"
+            )
+        gate_up, down = self.gate_up_payload, self.down_payload
+        check_payload_device(gate_up, hidden_states, "QuantExperts")
+
+        def expert_fn(expert: int, x: Tensor) -> Tensor:
+            up_bias = None if self.gate_up_bias is None else self.gate_up_bias[expert]
+            down_bias = None if self.down_bias is None else self.down_bias[expert]
+            h = payload_linear(x, select_expert(gate_up, expert), up_bias)
+            return payload_linear(self.gate.apply(h), select_expert(down, expert), down_bias)
+
+        return route_to_experts(hidden_states, index, weights, self.num_experts, expert_fn)
+
+    def extra_repr(self) -> str:
+        gate_up, down = self.gate_up_payload, self.down_payload
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+            f"intermediate_dim={self.intermediate_dim}, format={gate_up.format.name}, "
+            f"gate={self.gate.layout}/{self.gate.activation}, bias={self.gate_up_bias is not None}, "
+            f"{(gate_up.nbytes + down.nbytes) * 8 / (gate_up.numel + down.numel):.2f} bits/weight"
+        )
+
+
+def _frozen(t: Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)

@@ -1,0 +1,43 @@
+"""The top-k expert loop shared by every fused-experts forward qlens provides."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from jaxtyping import Float, Integer
+from torch import Tensor
+
+ExpertFn = Callable[[int, Tensor], Tensor]
+
+
+def route_to_experts(
+    hidden_states: Float[Tensor, "tokens hidden"],
+    top_k_index: Integer[Tensor, "tokens k"],
+    top_k_weights: Float[Tensor, "tokens k"],
+    num_experts: int,
+    expert_fn: ExpertFn,
+) -> Float[Tensor, "tokens hidden"]:
+    """``sum_k top_k_weights[t, k] * expert_fn(top_k_index[t, k], hidden_states[t])`` per token.
+
+    The same semantics as transformers' fused experts modules: ids outside ``[0, num_experts)``
+    (the masked or other-rank routes) are skipped; each expert runs once on all its tokens. Sums
+    accumulate in float32 and are cast back to ``hidden_states.dtype``.
+    """
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"routing shapes disagree: hidden_states {list(hidden_states.shape)}, top_k_index "
+            f"{list(top_k_index.shape)}, top_k_weights {list(top_k_weights.shape)}; expected "
+            f"[tokens, hidden], [tokens, k], [tokens, k]"
+        )
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    with torch.no_grad():
+        hit = torch.unique(top_k_index)
+    for expert in hit.tolist():
+        if not 0 <= expert < num_experts:
+            continue
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        expert_out = expert_fn(expert, hidden_states[token_idx])
+        weighted = expert_out * top_k_weights[token_idx, k_pos, None].to(expert_out.dtype)
+        out.index_add_(0, token_idx, weighted.to(torch.float32))
+    return out.to(hidden_states.dtype)

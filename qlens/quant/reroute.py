@@ -1,0 +1,223 @@
+"""Run Hugging Face quantized modules whose own forward cannot run here through qlens' forward.
+
+transformers' ``FP8Linear``/``FP8Experts`` call CUDA kernels (DeepGEMM or a hub kernel),
+``HiggsLinear`` needs a FLUTE workspace tuned on a GPU, and GPT-OSS ``Mxfp4GptOssExperts`` need
+the triton_kernels hub package. :func:`reroute_quantized_modules` replaces the forward of such
+modules (on the instance; the module, its tensors and its path stay as they are, so hook names
+and ``save_pretrained`` are unaffected) with qlens' forward: the module is read into payloads by
+``qlens.quant.adopt.adopt_module`` and each matmul runs on qlens' Triton kernel or its torch
+reference. Rerouting is always logged (a WARNING summary, one INFO line per module): the
+numerics become those of a weight-only matmul on the exact dequantized weight (static FP8
+activation scales, for instance, are not applied).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from qlens.quant.modules.dispatch import check_payload_device, payload_linear
+from qlens.quant.modules.expert_gate import ExpertGate
+from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.modules.routing import route_to_experts
+from qlens.quant.payload import QuantPayload
+
+logger = logging.getLogger(__name__)
+
+_FP8_KERNELS = "CUDA kernels (DeepGEMM or the kernels-community/finegrained-fp8 hub kernel)"
+
+
+def own_forward_problem(module: nn.Module) -> str | None:
+    """Why ``module``'s own forward cannot run here, or None when it can (or is not recognised)."""
+    cls = type(module).__name__
+    if cls in ("FP8Linear", "FP8Experts"):
+        weight = getattr(module, "weight", None) if cls == "FP8Linear" else _first_weight(module)
+        if not isinstance(weight, Tensor) or weight.element_size() > 1:
+            return None
+        if weight.device.type != "cuda":
+            return f"its forward needs {_FP8_KERNELS}; the weight is on {weight.device}"
+        from transformers.utils import is_kernels_available
+
+        if not is_kernels_available():
+            return f"its forward needs {_FP8_KERNELS}; the `kernels` package is not installed"
+        return None
+    if cls == "HiggsLinear":
+        if getattr(module, "workspace", None) is None:
+            return "its FLUTE workspace is not set (HIGGS needs a GPU-tuned workspace and kernel)"
+        return None
+    if cls == "Mxfp4GptOssExperts":
+        from transformers.integrations import mxfp4
+
+        if getattr(mxfp4, "triton_kernels_hub", None) is None:
+            return "its forward needs the gpt-oss-triton-kernels hub kernel, which is not loaded"
+        if isinstance(getattr(module, "gate_up_proj", None), Tensor):
+            return "its MXFP4 blocks are plain tensors, not swizzled for the triton_kernels matmul"
+        return None
+    return None
+
+
+def reroute_quantized_modules(
+    model: nn.Module, keep: Sequence[str] | None = None, *, force: bool = False
+) -> list[str]:
+    """Give every HF quantized module that cannot run here qlens' forward; return their paths.
+
+    Args:
+        model: any module tree (a transformers model, usually).
+        keep: glob patterns (``fnmatch``) on module paths whose own forward is kept.
+        force: also reroute quantized modules whose own forward could run (to use qlens'
+            kernels instead of the library's).
+    """
+    from qlens.quant.adopt import is_quantized_module
+
+    patterns = tuple(keep or ())
+    rerouted: list[str] = []
+    for name, module in model.named_modules():
+        if _is_rerouted(module):
+            continue
+        problem = own_forward_problem(module)
+        if problem is None and not (force and is_quantized_module(module)):
+            continue
+        if not is_quantized_module(module):
+            logger.warning(
+                "%s (%s): %s, and qlens cannot read it", name, type(module).__name__, problem
+            )
+            continue
+        kept = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+        if kept is not None:
+            logger.info("kept the own forward of %s (matches keep pattern %r)", name, kept)
+            continue
+        _reroute(module)
+        rerouted.append(name)
+        reason = problem or "forced"
+        logger.info("rerouted %s (%s) through qlens: %s", name, type(module).__name__, reason)
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Mxfp4GptOssMLP" and _is_rerouted(module.experts):
+            if not _is_rerouted(module):
+                module.forward = types.MethodType(_mxfp4_mlp_forward, module)
+                rerouted.append(name)
+                logger.info("rerouted %s (Mxfp4GptOssMLP): routing by its router module", name)
+    if rerouted:
+        logger.warning(
+            "qlens rerouted %d quantized modules through its own forward (exact dequantized "
+            "weights, weight-only matmul): %s",
+            len(rerouted),
+            ", ".join(rerouted[:8]) + (", ..." if len(rerouted) > 8 else ""),
+        )
+    return rerouted
+
+
+def restore_own_forward(model: nn.Module) -> list[str]:
+    """Undo :func:`reroute_quantized_modules`; return the paths restored."""
+    restored = []
+    for name, module in model.named_modules():
+        if _is_rerouted(module):
+            del module.forward
+            restored.append(name)
+    return restored
+
+
+_REROUTED_FORWARDS: set[Callable] = set()
+
+
+def _is_rerouted(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "__func__", None) in _REROUTED_FORWARDS
+
+
+def _first_weight(module: nn.Module) -> Tensor | None:
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        value = getattr(module, name, None)
+        if isinstance(value, Tensor):
+            return value
+    return None
+
+
+def _reroute(module: nn.Module) -> None:
+    if _first_weight(module) is not None or type(module).__name__ == "Mxfp4GptOssExperts":
+        module.forward = types.MethodType(_experts_forward, module)
+    else:
+        module.forward = types.MethodType(_linear_forward, module)
+
+
+# Payloads adopted from a module, rebuilt whenever one of the module's tensors is replaced,
+# moved or modified in place. Weak keys: the cache never outlives (or is copied with) a module.
+_PLAIN = (int, float, str, bool, type(None), dict, nn.Module)
+_ADOPTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.WeakKeyDictionary()
+
+
+def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
+    from qlens.quant.adopt import adopt_module
+
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
+    holders = [v for v in vars(module).values() if not isinstance(v, _PLAIN)]
+    key = (
+        tuple((t.data_ptr(), t.device, t._version) for t in tensors),
+        tuple(id(v) for v in holders),
+    )
+    cached = _ADOPTED.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]  # type: ignore[return-value]
+    payloads = adopt_module(module)
+    _ADOPTED[module] = (key, payloads)
+    return payloads
+
+
+def _linear_forward(self: Any, x: Tensor) -> Tensor:
+    payload = _adopted(self)
+    if not isinstance(payload, QuantPayload):
+        raise TypeError(f"adopting {type(self).__name__} gave {sorted(payload)}, not one payload")
+    check_payload_device(payload, x, type(self).__name__)
+    return payload_linear(x, payload, getattr(self, "bias", None))
+
+
+def _experts_forward(
+    self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    payloads = _adopted(self)
+    if not isinstance(payloads, dict):
+        raise TypeError(f"adopting {type(self).__name__} gave one payload, not one per projection")
+    has_gate = "gate_up_proj" in payloads
+    first = payloads["gate_up_proj" if has_gate else "up_proj"]
+    down = payloads["down_proj"]
+    check_payload_device(first, hidden_states, type(self).__name__)
+    first_bias = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
+    down_bias = getattr(self, "down_proj_bias", None)
+    activate = _gate_fn(self) if has_gate else self.act_fn
+
+    def expert_fn(expert: int, x: Tensor) -> Tensor:
+        h = payload_linear(x, select_expert(first, expert), _row(first_bias, expert))
+        return payload_linear(activate(h), select_expert(down, expert), _row(down_bias, expert))
+
+    num_experts = int(first.shape[0])
+    return route_to_experts(hidden_states, top_k_index, top_k_weights, num_experts, expert_fn)
+
+
+def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:
+    own = getattr(module, "_apply_gate", None)
+    if own is not None:
+        return own
+    # Mxfp4GptOssExperts: the kernel fuses GPT-OSS' interleaved, clamped SwiGLU.
+    return ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit).apply
+
+
+def _row(bias: Tensor | None, expert: int) -> Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def _mxfp4_mlp_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """``Mxfp4GptOssMLP.forward`` with the routing done by the router module, not the hub kernel."""
+    batch_size = hidden_states.shape[0]
+    flat = hidden_states.reshape(-1, self.router.hidden_dim)
+    router_logits, router_scores, router_indices = self.router(flat)
+    out = self.experts(flat, router_indices, router_scores)
+    return out.reshape(batch_size, -1, self.router.hidden_dim), router_logits
+
+
+_REROUTED_FORWARDS.update({_linear_forward, _experts_forward, _mxfp4_mlp_forward})

@@ -1,0 +1,59 @@
+"""Quantized models through the Bridge: same hook names, logits of the dequantized reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dequantized_reference import dequantized_reference
+from tiny_models import input_ids, make_model
+
+from qlens.bridge import Bridge
+from qlens.quant.model_quantize import quantize
+from qlens.quant.modules import QuantLinear
+
+# One scheme per family, so every scheme runs through the bridge once.
+CASES = [
+    ("llama", "fp8-block"),
+    ("qwen3", "mxfp8"),
+    ("gpt2", "int4"),
+    ("mixtral", "mxfp4"),
+    ("qwen3_moe", "int8"),
+    ("gpt_oss", "nvfp4"),
+]
+
+
+@pytest.mark.parametrize(("family", "scheme"), CASES)
+def test_quantized_bridge_keeps_every_hook_and_the_reference_logits(
+    family: str, scheme: str
+) -> None:
+    model = make_model(family)
+    bridge = Bridge(model)
+    quantized = quantize(bridge, scheme)
+    assert isinstance(quantized, Bridge) and quantized is not bridge
+    assert quantized.model is not model
+    assert any(isinstance(m, QuantLinear) for m in quantized.model.modules())
+    assert quantized.hook_names == bridge.hook_names
+
+    ids = input_ids()
+    with torch.no_grad():
+        logits, cache = quantized.run_with_cache(ids)
+        _, float_cache = bridge.run_with_cache(ids)
+        expected = dequantized_reference(model, quantized.model)(ids).logits
+    assert set(cache.keys()) == set(float_cache.keys())
+    assert len(cache.keys()) > 10 * model.config.num_hidden_layers
+    for name in float_cache.keys():
+        assert cache[name].shape == float_cache[name].shape, name
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_inplace_quantization_of_a_bridge_returns_a_working_bridge() -> None:
+    bridge = Bridge(make_model("llama"))
+    model = bridge.model
+    quantized = quantize(bridge, "int8", inplace=True)
+    assert quantized.model is model
+    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    with torch.no_grad():
+        _, cache = quantized.run_with_cache(input_ids(), names_filter=lambda n: "mlp.hook_pre" in n)
+    assert set(cache.keys()) == {
+        f"blocks.{i}.mlp.{h}" for i in (0, 1) for h in ("hook_pre", "hook_pre_linear")
+    }

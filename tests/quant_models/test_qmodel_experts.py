@@ -1,0 +1,91 @@
+"""QuantExperts against transformers' own experts modules running on the dequantized weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import make_model
+
+from qlens.quant.dequantize import dequantize
+from qlens.quant.model_quantize import quantize
+from qlens.quant.modules import ExpertGate, QuantExperts
+from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.quantize import quantize_weight
+
+
+def _routing(tokens: int, experts: int, k: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    return index, weights
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_matches_the_hf_experts_on_dequantized_weights(family: str) -> None:
+    model = make_model(family)
+    experts_path = "model.layers.0.mlp.experts"
+    quantized = quantize(model, "nvfp4").get_submodule(experts_path)
+    assert isinstance(quantized, QuantExperts)
+    hf = copy.deepcopy(model.get_submodule(experts_path))
+    gate_up, down = dequantize(quantized.gate_up_payload), dequantize(quantized.down_payload)
+    with torch.no_grad():
+        if family == "gpt_oss":  # HF holds [E, in, out]
+            gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+        hf.gate_up_proj.copy_(gate_up)
+        hf.down_proj.copy_(down)
+    hf.config._experts_implementation = "eager"
+    x = torch.randn(9, 128)
+    index, weights = _routing(9, 4)
+    if family == "mixtral":
+        index[0, 1] = 4  # Mixtral's masked route (id == num_experts) is skipped
+    with torch.no_grad():
+        expected = hf(x, index, weights)
+        got = quantized(x, index, weights)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            by_keyword = quantized(x, router_indices=index, routing_weights=weights)
+        assert torch.equal(by_keyword, got)
+
+
+def test_select_expert_views_one_expert() -> None:
+    weight = torch.randn(3, 32, 64)
+    payload = quantize_weight(weight, "nvfp4")
+    assert payload.global_scale.ndim == 0
+    second = select_expert(payload, 1)
+    assert second.shape == (32, 64)
+    assert second.global_scale is payload.global_scale
+    assert torch.equal(dequantize(second), dequantize(payload)[1])
+    with pytest.raises(IndexError, match="expert 3 out of range for a payload of 3 experts"):
+        select_expert(payload, 3)
+    with pytest.raises(ValueError, match=r"expected a fused experts payload.*\[32, 64\]"):
+        select_expert(second, 0)
+
+
+def test_bad_construction_and_calls_raise() -> None:
+    gate_up = quantize_weight(torch.randn(2, 64, 32), "int8")
+    gate = ExpertGate("stacked", "silu")
+    with pytest.raises(ValueError, match=r"down payload has shape \[2, 32, 16\].*\[2, 32, 32\]"):
+        QuantExperts(gate_up, quantize_weight(torch.randn(2, 32, 16), "int8"), gate)
+    experts = QuantExperts(gate_up, quantize_weight(torch.randn(2, 32, 32), "int8"), gate)
+    with pytest.raises(TypeError, match="QuantExperts needs the routing"):
+        experts(torch.randn(3, 32))
+    with pytest.raises(ValueError, match="gate layout must be one of"):
+        ExpertGate("fused", "silu")
+    with pytest.raises(ValueError, match="clamped_swiglu gate needs both alpha and limit"):
+        ExpertGate("interleaved", "clamped_swiglu", alpha=1.0)
+
+
+def test_payloads_are_exposed_and_float_weights_are_not() -> None:
+    gate_up = quantize_weight(torch.randn(2, 64, 32), "mxfp8")
+    down = quantize_weight(torch.randn(2, 32, 32), "mxfp8")
+    experts = QuantExperts(gate_up, down, ExpertGate("stacked", "silu"))
+    weights = dequantize(experts)
+    assert set(weights) == {"gate_up_proj", "down_proj"}
+    assert torch.equal(weights["gate_up_proj"], dequantize(gate_up))
+    assert torch.equal(weights["down_proj"], dequantize(down))
+    with pytest.raises(AttributeError, match=r"not a float gate_up_proj.*qlens\.dequantize"):
+        _ = experts.gate_up_proj
+    assert "format=mxfp8" in repr(experts) and "gate=stacked/silu" in repr(experts)
