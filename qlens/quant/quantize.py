@@ -104,7 +104,8 @@ def _checked_weight(weight: Tensor) -> Tensor:
             f"quantize_weight needs a [out, in] or [experts, out, in] weight, got shape "
             f"{list(weight.shape)}"
         )
-    w = weight.detach().float()
+    # Contiguous so that every packed tensor derived from it is contiguous too (kernels need it).
+    w = weight.detach().float().contiguous()
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize_weight got NaN or infinite weights; fix the weight first")
     return w

@@ -178,3 +178,17 @@ def test_default_group_sizes_and_layouts():
 def test_half_precision_scales_that_would_overflow_are_refused():
     with pytest.raises(ValueError, match=r"overflow fp16 scales; use scale_dtype='fp32'"):
         quantize_weight(torch.full((1, 4), 1e9), "int8", scale_dtype="fp16")
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "mxfp8", "mxfp4", "nvfp4", "int4", "int8"])
+def test_transposed_weight_gives_contiguous_payload(scheme: str) -> None:
+    weight = torch.randn(64, 128).t()  # a transposed view, as GPT-2's Conv1D holds
+    payload = quantize_weight(weight, scheme)
+    for name, tensor in payload.tensors().items():
+        assert tensor.is_contiguous(), f"{scheme}: {name} is not contiguous"
+    torch.testing.assert_close(
+        dequantize(payload),
+        dequantize(quantize_weight(weight.contiguous(), scheme)),
+        rtol=0,
+        atol=0,
+    )
