@@ -108,4 +108,9 @@ class HookPoint:
                 f"and dtype {result.dtype}, but the activation has shape {tuple(original.shape)} "
                 f"and dtype {original.dtype}; return a tensor of the same shape and dtype"
             )
+        if result.device != original.device:
+            raise ValueError(
+                f"{phase} hook on {self.name!r} returned a tensor on {result.device}, but the "
+                f"activation is on {original.device}; return `new.to(activation.device)`"
+            )
         return result

@@ -65,9 +65,29 @@ class _StopForward(Exception):  # noqa: N818
 class Bridge:
     """Hook points, caching and generation for a supported HF causal LM."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        reroute: bool = True,
+        keep_forward: Sequence[str] | None = None,
+    ) -> None:
+        """Wrap ``model`` (never moved or copied).
+
+        HF-quantized modules that cannot run here (FP8Linear/FP8Experts without hub kernels,
+        HiggsLinear without a tuned workspace, GPT-OSS MXFP4 experts without the kernels
+        package) run through qlens' kernels instead, and each rerouted module is logged and
+        listed in ``self.rerouted``; ``reroute=False`` keeps every module's own forward, and
+        ``keep_forward`` keeps it for the modules whose names match those glob patterns.
+        """
+        from qlens.quant.reroute import reroute_quantized_modules
+
         self.model = model
         self.tokenizer = tokenizer
+        self.rerouted: list[str] = (
+            reroute_quantized_modules(model, keep=keep_forward) if reroute else []
+        )
         self.adapter: Adapter = get_adapter(model)
         self._layers = resolve_layers(model, self.adapter)
         attention.register()
@@ -85,7 +105,7 @@ class Bridge:
         if self.pos_embed is not None:
             self._sites.append(taps.OutputSite(self.pos_embed, "hook_pos_embed"))
         for rl in self._layers:
-            self._sites += build_layer_sites(rl, a, self.cfg, self._store)
+            self._sites += build_layer_sites(rl, a, self.cfg, self._store, model)
         self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms))
         self.hook_names: list[str] = model_hook_names(
             [rl.layout for rl in self._layers], self.pos_embed is not None
@@ -152,6 +172,19 @@ class Bridge:
         finally:
             for handle in handles:
                 handle.remove()
+
+    @contextlib.contextmanager
+    def dequantized(self) -> Iterator[Bridge]:
+        """Opt in, for the block, to rebuilding quantized weights in float on every weight read.
+
+        Weight-space features (``qlens.weights``, ``qlens.analysis``, ``attn.hook_result``) read
+        weights through one guarded layer that refuses packed weights; inside this block they
+        get the matrices ``qlens.dequantize`` reconstructs instead. The model is not changed.
+        """
+        from qlens.weights.access import dequantized
+
+        with dequantized(self):
+            yield self
 
     @contextlib.contextmanager
     def _attached(self, stop_at_layer: int | None = None) -> Iterator[None]:
@@ -255,6 +288,20 @@ class Bridge:
             return tokenizer.decode(tokens.tolist())
         return [tokenizer.decode(row.tolist()) for row in tokens]
 
+    def _input_device(self) -> torch.device:
+        """Where token ids go: the embedding's device, or its execution device when offloaded."""
+        hf_hook = getattr(self.embed, "_hf_hook", None)
+        execution_device = getattr(hf_hook, "execution_device", None)
+        if execution_device is not None:
+            return torch.device(execution_device)
+        device = next(self.embed.parameters()).device
+        if device.type == "meta":
+            raise RuntimeError(
+                "the token embedding is on the meta device and no accelerate hook says where it "
+                "runs; load the model with its weights materialized or dispatch it with accelerate"
+            )
+        return device
+
     def _prepare(
         self,
         input: Input,
@@ -286,7 +333,7 @@ class Bridge:
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} != tokens shape {tuple(tokens.shape)}"
                 )
-        device = next(self.embed.parameters()).device
+        device = self._input_device()
         tokens = tokens.to(device)
         if attention_mask is None:
             return tokens, None

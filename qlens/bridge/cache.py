@@ -122,7 +122,7 @@ class ActivationCache:
     # -- stacks -----------------------------------------------------------------------------
     def stack_activation(self, name: str) -> Tensor:
         """Stack one activation over layers: ``stack_activation("resid_post")`` -> [layer ...]."""
-        return torch.stack([self[name, layer] for layer in range(self.n_layers)])
+        return _stack_on_one_device([self[name, layer] for layer in range(self.n_layers)], name)
 
     def accumulated_resid(
         self,
@@ -151,7 +151,7 @@ class ActivationCache:
         else:
             parts.append(self["resid_pre", layer])
             labels.append(f"{layer}_pre")
-        stack = torch.stack(parts)
+        stack = _stack_on_one_device(parts, "the residual stream")
         if apply_ln:
             if self.final_norm is None:
                 raise ValueError("apply_ln=True needs the model's final norm; this cache has none")
@@ -190,3 +190,14 @@ def _fmt_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"
+
+
+def _stack_on_one_device(tensors: list[Tensor], what: str) -> Tensor:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"cannot stack {what}: its activations are on several devices "
+            f"({', '.join(sorted(str(d) for d in devices))}); gather them on one device with "
+            "run_with_cache(..., device=...) or cache.to(device)"
+        )
+    return torch.stack(tensors)

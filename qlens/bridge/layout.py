@@ -70,14 +70,21 @@ def resolve_layers(model: nn.Module, adapter: Adapter) -> list[ResolvedLayer]:
 
 
 def build_layer_sites(
-    rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig, store: dict[str, Tensor]
+    rl: ResolvedLayer,
+    adapter: Adapter,
+    cfg: BridgeConfig,
+    store: dict[str, Tensor],
+    owner: nn.Module,
 ) -> list[taps.Site]:
-    """The hook sites of one layer, in the order their PyTorch hooks must run."""
+    """The hook sites of one layer, in the order their PyTorch hooks must run.
+
+    ``owner`` is the wrapped model: weight reads made by a site are on its behalf.
+    """
     m, p, rms = rl.modules, f"blocks.{rl.index}.", adapter.normalization_type == "RMS"
     sites: list[taps.Site] = [
         taps.LayerInputSite(rl.layer, p + "hook_resid_pre", store),
         taps.NormSite(m["ln1"], p + "ln1", rms),
-        taps.ResultSite(m["o"], p + "attn.hook_result", cfg.n_heads, adapter.conv1d),
+        taps.ResultSite(m["o"], p + "attn.hook_result", cfg.n_heads, owner),
         taps.OutputSite(m["attn"], p + "hook_attn_out"),
     ]
     mid_branch = m["attn"]

@@ -252,22 +252,24 @@ class RouterSite(Site):
 class ResultSite(Site):
     """``attn.hook_result`` [batch pos head d_model]: each head's output through o_proj.
 
-    Reads the o_proj weight through ``require_readable_weight``; the bias is not included.
-    Editing the result replaces the attention output by the sum over heads plus the bias.
+    Reads the o_proj weight through the guarded accessor layer (``qlens.weights.access``), so a
+    quantized o_proj raises unless the user opted into dequantization (``bridge.dequantized()``);
+    the bias is not included. Editing the result replaces the attention output by the sum over
+    heads plus the bias.
     """
 
-    def __init__(self, o_proj: nn.Module, name: str, n_heads: int, conv1d: bool) -> None:
-        self.module, self.names, self.n_heads, self.conv1d = o_proj, (name,), n_heads, conv1d
+    def __init__(self, o_proj: nn.Module, name: str, n_heads: int, owner: nn.Module) -> None:
+        self.module, self.names, self.n_heads, self.owner = o_proj, (name,), n_heads, owner
 
     def w_o(self) -> Tensor:
-        from qlens.quant.guards import require_readable_weight
+        from qlens.weights.access import read_weight
 
-        weight = require_readable_weight(
-            self.module.weight,
+        weight = read_weight(
+            self.module,
             operation="compute per-head attention results (hook_result)",
-            owner=self.module,
-        )
-        w = weight if self.conv1d else weight.T  # [head*d_head, d_model]
+            owner=self.owner,
+        )  # [d_model, head*d_head]
+        w = weight.T
         return w.reshape(self.n_heads, -1, w.shape[-1])
 
     def attach(self, points: Points) -> list[RemovableHandle]:

@@ -9,6 +9,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.dequant_bitnet import BITNET_FORMATS, dequantize_bitnet_triton
+from qlens.kernels.dequant_bnb import BNB_FORMATS, dequantize_bnb_triton
+from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -72,16 +75,27 @@ def _blocks(n: int, k: int) -> tuple[int, int, int]:
     return 32, 256, 4
 
 
+# Formats whose payloads keep their library's own packing, each with a kernel of its own.
+_FORMAT_KERNELS = {
+    **dict.fromkeys(BNB_FORMATS, dequantize_bnb_triton),
+    **dict.fromkeys(GGUF_KERNEL_FORMATS, dequantize_gguf_triton),
+    **dict.fromkeys(BITNET_FORMATS, dequantize_bitnet_triton),
+}
+
+
 def dequantize_triton(
     payload: QuantPayload, dtype: torch.dtype = torch.bfloat16
-) -> Float[Tensor, "*experts n k"]:
+) -> Float[Tensor, "..."]:
     """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
 
     Decoded by a Triton kernel, bit-exact with ``qlens.dequantize(payload, dtype)`` for the
-    fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts.
+    fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts, bitsandbytes NF4/FP4/int8,
+    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads.
     """
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
+    if payload.format.name in _FORMAT_KERNELS:
+        return _FORMAT_KERNELS[payload.format.name](payload, dtype)
     if len(payload.shape) == 3:
         from qlens.kernels.experts import expert_payload
 

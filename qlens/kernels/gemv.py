@@ -1,10 +1,13 @@
 """Weight-only GEMV for a few rows: decoded weights meet the activations in plain FMAs.
 
-No tensor cores and no shared memory: each program streams a ``[BLOCK_N, BLOCK_K]`` strip of
-the packed weight with wide loads, decodes it in registers and reduces along K once at the end.
-One program per (N tile, row, K split), so small M re-reads the strip from L2, not memory.
+No tensor cores and no shared memory: each program streams a strip of the packed weight with
+wide loads, decodes it in registers and reduces along K once at the end. Packed 4-bit weights
+whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel`` (all rows of ``x`` per
+weight tile, word loads, integer decodes); other weights one program per (N tile, row, K split),
+so small M re-reads the strip from L2, not memory.
 """
 
+import functools
 from typing import no_type_check
 
 import torch
@@ -15,11 +18,12 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.linear import reduce_splits
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.weights import KernelWeight
+from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
 
 
 @triton.jit
@@ -74,6 +78,70 @@ def _gemv_kernel(
         tl.store(out_ptr + pid_k * stride_split + row * stride_om + offs_n, total, mask=n_mask)
 
 
+def word_view(w: KernelWeight) -> Tensor | None:
+    """The packed 4-bit data as int32 words ``[n, width / 4]``, or ``None`` when rows are not
+    whole, 16-byte aligned words (then the byte-wise kernel serves the weight)."""
+    data = w.data
+    if w.family not in (INT4, MXFP4, NVFP4) or data.shape[1] % 4 or data.data_ptr() % 16:
+        return None
+    return data.view(torch.int32)
+
+
+def _block_m(m: int, cap: int) -> int:
+    """Rows of ``x`` per program: the next power of two of ``m``, at most ``cap``."""
+    return min(1 << max(m - 1, 0).bit_length(), cap)
+
+
+@functools.cache
+def _int4_code_factors(device: torch.device) -> Float[Tensor, "8 1"]:
+    """``16**-(j % 4)`` per code position ``j``: the int4 decode leaves code ``j`` scaled by
+    ``16**(j % 4)``."""
+    powers = [16.0 ** -(j % 4) for j in range(8)]
+    return torch.tensor(powers, dtype=torch.float32, device=device)[:, None]
+
+
+def permute_codes(x: Float[Tensor, "m k"], family: int) -> Float[Tensor, "m quads 8 4"]:
+    """float32 ``x`` regrouped for the packed GEMV: ``out[m, q, j, r] = x[m, 8 * (4q + r) + j]``
+    (zero-padded to whole quads of 8-code words), times ``16**-(j % 4)`` for int4."""
+    m, k = x.shape
+    quads = -(-k // 32)
+    padded = torch.nn.functional.pad(x, (0, quads * 32 - k)) if k % 32 else x
+    grouped = padded.view(m, quads, 4, 8).transpose(2, 3)
+    out = torch.empty((m, quads, 8, 4), dtype=torch.float32, device=x.device)
+    if family == INT4:
+        torch.mul(grouped, _int4_code_factors(x.device), out=out)
+    else:
+        out.copy_(grouped)
+    return out
+
+
+def _packed_gemv(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    words: Tensor,
+    bias: Float[Tensor, " n"] | None,
+    cfg: LinearConfig,
+    target: Tensor,
+) -> None:
+    m, k = x.shape
+    xp = permute_codes(x, w.family)
+    block_m = _block_m(m, cfg.block_m)
+    split = cfg.split_k
+    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, block_m), split)
+    _, scales, zeros, global_scale = kernel_args(w)
+    interpret = interpreting()
+    packed_gemv_kernel[grid](
+        xp, words, scales, zeros, global_scale, bias if bias is not None else x, target,
+        m, w.n, k, xp.stride(0), words.stride(0), scales.stride(0), w.n,
+        target.stride(0) if split > 1 else 0,
+        FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
+        HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split, USE_ASM=not interpret, INTERPRET=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def gemv_linear(
     x: Float[Tensor, "m k"],
     w: KernelWeight,
@@ -86,17 +154,32 @@ def gemv_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split = cfg.split_k
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), m, split)
+    words = word_view(w)
     with on_device(x.device):
-        _gemv_kernel[grid](
-            x, *kernel_args(w), bias if bias is not None else x, target,
-            m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n,
-            target.stride(0) if split > 1 else 0,
-            **kernel_constants(w), HAS_BIAS=bias is not None,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-            SPLIT_K=split, INTERPRET=interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        if words is not None:
+            _packed_gemv(x, w, words, bias, cfg, target)
+        else:
+            _byte_gemv(x, w, bias, cfg, target)
     if split > 1:
         reduce_splits(target, bias, out)
     return out
+
+
+def _byte_gemv(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    cfg: LinearConfig,
+    target: Tensor,
+) -> None:
+    m, k = x.shape
+    split = cfg.split_k
+    _gemv_kernel[(triton.cdiv(w.n, cfg.block_n), m, split)](
+        x, *kernel_args(w), bias if bias is not None else x, target,
+        m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
+        target.stride(0) if split > 1 else 0,
+        **kernel_constants(w), HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        SPLIT_K=split, INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

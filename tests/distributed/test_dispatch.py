@@ -120,12 +120,6 @@ def test_dispatch_model_on_a_loaded_model_matches(tmp_path: Path) -> None:
         assert torch.equal(split_cache[name], cache[name]), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="Bridge moves input tokens to the embedding weight's device, which is 'meta' when the "
-    "embedding itself is offloaded; it should use the accelerate hook's execution device",
-)
 def test_offloaded_embedding(tmp_path: Path) -> None:
     reference = Bridge(tiny_model("llama"))
     model = tiny_model("llama")

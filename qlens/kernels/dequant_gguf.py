@@ -1,0 +1,190 @@
+"""Triton dequantize kernel for GGUF (GGML) 32-weight blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+
+Reads the raw blocks per row exactly as ``qlens.quant.codecs.gguf`` does: a little-endian float16
+``d`` (and, for Q4_1/Q5_1, a float16 ``m``) reinterpreted from its two bytes, then the codes
+(Q4: low nibbles = elements 0-15, high = 16-31; Q5: plus a fifth bit from a little-endian
+32-bit mask; Q8: int8). ``W = d * (q - offset)`` or ``W = d * q + m``, rounded in that order (FMA
+contraction is disabled), bit-exact with the codec in float32. ``extras["input_permutation"]``
+is applied by storing block column ``j`` at logical column ``perm[j]``.
+"""
+
+from __future__ import annotations
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.launch import on_device
+from qlens.kernels.numerics import cast_out
+from qlens.kernels.runtime import interpreting, require_kernel_device
+from qlens.quant.codecs.checks import require_dtype, require_same_device, require_shape
+from qlens.quant.codecs.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, GgmlType, gguf_format, row_bytes
+from qlens.quant.payload import QuantPayload
+
+_KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+GGUF_KERNEL_FORMATS = tuple(gguf_format(t).name for t in _KERNEL_TYPES)
+_BY_NAME = dict(zip(GGUF_KERNEL_FORMATS, _KERNEL_TYPES, strict=True))
+_CODE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}
+_WITH_MIN = (Q4_1, Q5_1)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GGML_BLOCK = 32
+# (rows, GGML blocks, warps) per program: few big tiles in the interpreter.
+GPU_TILE = (8, 16, 4)
+INTERPRETER_TILE = (32, 32, 4)
+
+
+@triton.jit
+@no_type_check
+def _le_u32(block_ptr, offset: tl.constexpr, N_BYTES: tl.constexpr, stride_b, mask):
+    """The little-endian unsigned integer of ``N_BYTES`` bytes at ``offset`` of each block."""
+    value = tl.load(block_ptr + offset * stride_b, mask=mask, other=0).to(tl.uint32)
+    for i in tl.static_range(1, N_BYTES):
+        byte = tl.load(block_ptr + (offset + i) * stride_b, mask=mask, other=0).to(tl.uint32)
+        value = value | (byte << (8 * i))
+    return value
+
+
+@triton.jit
+@no_type_check
+def _f16_at(block_ptr, offset: tl.constexpr, stride_b, mask):
+    """float32 of the little-endian float16 at byte ``offset`` of each block (bit pattern)."""
+    bits = _le_u32(block_ptr, offset, 2, stride_b, mask).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+@no_type_check
+def _gguf_kernel(
+    data_ptr, perm_ptr, out_ptr, ROWS, K, stride_r, stride_b,
+    TYPE_SIZE: tl.constexpr, CODE_BITS: tl.constexpr, HAS_MIN: tl.constexpr,
+    HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``BLOCK_N`` rows x ``BLOCKS`` GGML blocks, as ``[BLOCK_N, BLOCKS, 32 or 16]`` tiles."""
+    HEADER: tl.constexpr = 4 if HAS_MIN else 2
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = tl.program_id(1).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = (offs_n < ROWS)[:, None, None] & (blocks < K // 32)[None, :, None]
+    block_ptr = (
+        data_ptr + offs_n[:, None, None] * stride_r + (blocks * TYPE_SIZE)[None, :, None] * stride_b
+    )
+    rows_out = offs_n[:, None, None] * K
+    cols = (blocks * 32)[None, :, None]
+    d = _f16_at(block_ptr, 0, stride_b, mask)  # [BLOCK_N, BLOCKS, 1]
+    if CODE_BITS == 8:
+        j = tl.arange(0, 32)[None, None, :]
+        q = tl.load(block_ptr + (HEADER + j) * stride_b, mask=mask, other=0)
+        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+        _store(out_ptr, perm_ptr, rows_out, cols + j, K, w, mask, HAS_PERM, INTERPRET)
+    else:
+        j = tl.arange(0, 16)[None, None, :]
+        CODES: tl.constexpr = HEADER + 4 if CODE_BITS == 5 else HEADER
+        packed = tl.load(block_ptr + (CODES + j) * stride_b, mask=mask, other=0)
+        if HAS_MIN:
+            m = _f16_at(block_ptr, 2, stride_b, mask)
+        if CODE_BITS == 5:  # bit j of this little-endian 32-bit mask is element j's fifth bit
+            fifth = _le_u32(block_ptr, HEADER, 4, stride_b, mask)
+        for half in tl.static_range(2):  # low nibbles: elements 0-15, high: 16-31
+            q = ((packed >> (4 * half)) & 0xF).to(tl.int32)
+            if CODE_BITS == 5:
+                q = q | (((fifth >> (16 * half + j).to(tl.uint32)) & 1).to(tl.int32) << 4)
+            if HAS_MIN:
+                w = d * q.to(tl.float32) + m
+            else:
+                w = d * (q - (1 << (CODE_BITS - 1))).to(tl.float32)
+            _store(
+                out_ptr, perm_ptr, rows_out, cols + 16 * half + j, K, w, mask, HAS_PERM, INTERPRET
+            )
+
+
+@triton.jit
+@no_type_check
+def _store(out_ptr, perm_ptr, rows_out, cols, K, w, mask, HAS_PERM: tl.constexpr,
+           INTERPRET: tl.constexpr):  # fmt: skip
+    """Store ``w`` at ``[row, col]``, or at ``[row, perm[col]]`` for a permuted input."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=cols < K, other=0)
+    out = cast_out(w, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + rows_out + cols, out, mask=mask)
+
+
+def _ggml_type(payload: QuantPayload) -> GgmlType:
+    """The payload's GGML type, checked against ``layout["ggml_type"]``."""
+    name = payload.format.name
+    if name not in _BY_NAME:
+        raise ValueError(
+            f"the GGUF Triton dequantize kernel reads {list(GGUF_KERNEL_FORMATS)}, not {name!r}; "
+            "use qlens.dequantize(payload, dtype) (torch) for other GGML types"
+        )
+    ggml_type = _BY_NAME[name]
+    layout_id = payload.layout.get("ggml_type", ggml_type.type_id)
+    if layout_id != ggml_type.type_id:
+        raise ValueError(
+            f"payload format {name} is GGML type {ggml_type.type_id} but layout['ggml_type'] "
+            f"says {layout_id}"
+        )
+    return ggml_type
+
+
+def _permutation(payload: QuantPayload, k: int, check_values: bool) -> Tensor | None:
+    """``extras["input_permutation"]``: int64 ``[k]``, and (if checked) a permutation."""
+    perm = payload.extras.get("input_permutation")
+    if perm is None:
+        return None
+    require_dtype(perm, "extra.input_permutation", (torch.int64,), payload)
+    require_shape(perm, "extra.input_permutation", (k,), payload)
+    if check_values and not torch.equal(perm.sort().values, torch.arange(k, device=perm.device)):
+        raise ValueError("extras['input_permutation'] is not a permutation of 0..K-1")
+    return perm.contiguous()
+
+
+def dequantize_gguf_triton(
+    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16, *, check_values: bool = True
+) -> Float[Tensor, "*rows cols"]:
+    """Dense weight of a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 payload, decoded by a Triton kernel.
+
+    Bit-exact with ``qlens.dequantize(payload, dtype)`` for float32, bfloat16 and float16.
+    ``check_values`` verifies that ``extras["input_permutation"]`` is a permutation (one device
+    sync); ``False`` trusts it (no sync).
+    """
+    ggml_type = _ggml_type(payload)
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(
+            f"dequantize_gguf_triton outputs {list(_OUT_DTYPES)}, not {dtype}; use "
+            "qlens.dequantize for other dtypes"
+        )
+    shape = tuple(int(s) for s in payload.shape)
+    if not shape:
+        raise ValueError("a GGUF payload needs a shape of at least one dimension [..., cols]")
+    require_kernel_device(payload.data.device)
+    require_dtype(payload.data, "data", (torch.uint8,), payload)
+    require_shape(
+        payload.data,
+        "data",
+        (*shape[:-1], row_bytes(ggml_type, shape[-1])),
+        payload,
+        fix=f"GGML rows hold {ggml_type.type_size}-byte blocks of {ggml_type.block_size} weights",
+    )
+    require_same_device(payload)
+    k = shape[-1]
+    perm = _permutation(payload, k, check_values)
+    out = torch.empty(shape, dtype=dtype, device=payload.data.device)
+    if out.numel() == 0:
+        return out
+    rows = out.numel() // k
+    data = payload.data.reshape(rows, -1)
+    block_n, blocks, warps = INTERPRETER_TILE if interpreting() else GPU_TILE
+    blocks = min(blocks, triton.next_power_of_2(k // GGML_BLOCK))
+    grid = (triton.cdiv(rows, block_n), triton.cdiv(k // GGML_BLOCK, blocks))
+    with on_device(out.device):
+        _gguf_kernel[grid](
+            data, data if perm is None else perm, out, rows, k, data.stride(0), data.stride(1),
+            TYPE_SIZE=ggml_type.type_size, CODE_BITS=_CODE_BITS[ggml_type],
+            HAS_MIN=ggml_type in _WITH_MIN, HAS_PERM=perm is not None, BLOCK_N=block_n,
+            BLOCKS=blocks, INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out

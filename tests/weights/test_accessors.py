@@ -1,0 +1,188 @@
+"""The accessors reproduce the model's own activations on every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from arch_models import ARCHS, perturbed_model
+
+import qlens
+from qlens.bridge import Bridge
+from qlens.quant.model_quantize import quantize
+from qlens.weights import accessors as A
+
+# Families whose hook_q/hook_k at position 0 are the plain projections: rotary is the identity
+# there; q/k norms (Qwen3, Gemma 3), OPT's pre-scaled queries and YaRN's attention factor
+# (GPT-OSS) are applied on top of the projection.
+PLAIN_QK = ["gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox", "mixtral"]
+MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
+TOL = dict(atol=2e-5, rtol=1e-5)
+_CACHES: dict[str, tuple[Bridge, object, torch.Tensor, torch.Tensor]] = {}
+
+
+def run(arch: str):
+    """(bridge over a perturbed tiny model, its cache, tokens, logits), computed once."""
+    if arch not in _CACHES:
+        bridge = Bridge(perturbed_model(arch))
+        tokens = torch.randint(
+            3, bridge.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad():
+            logits, cache = bridge.run_with_cache(tokens)
+        _CACHES[arch] = (bridge, cache, tokens, logits)
+    return _CACHES[arch]
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bpm,hmd->bphd", x, w) + b
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_weights_reproduce_v_and_attn_out(arch):
+    bridge, cache, _, _ = run(arch)
+    for layer in range(bridge.cfg.n_layers):
+        x = cache[f"blocks.{layer}.ln1.hook_normalized"]
+        v = _project(x, A.W_V(bridge, layer), A.b_V(bridge, layer))
+        torch.testing.assert_close(v, cache[f"blocks.{layer}.attn.hook_v"], **TOL)
+        z = cache[f"blocks.{layer}.attn.hook_z"]
+        out = torch.einsum("bphd,hdm->bpm", z, A.W_O(bridge, layer)) + A.b_O(bridge, layer)
+        torch.testing.assert_close(out, cache[f"blocks.{layer}.hook_attn_out"], **TOL)
+
+
+@pytest.mark.parametrize("arch", PLAIN_QK)
+def test_query_and_key_weights_reproduce_q_and_k(arch):
+    bridge, cache, _, _ = run(arch)
+    for layer in range(bridge.cfg.n_layers):
+        x = cache[f"blocks.{layer}.ln1.hook_normalized"][:, :1]
+        q = _project(x, A.W_Q(bridge, layer), A.b_Q(bridge, layer))
+        k = _project(x, A.W_K(bridge, layer), A.b_K(bridge, layer))
+        torch.testing.assert_close(q, cache[f"blocks.{layer}.attn.hook_q"][:, :1], **TOL)
+        torch.testing.assert_close(k, cache[f"blocks.{layer}.attn.hook_k"][:, :1], **TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stacked_accessors_stack_the_layers(arch):
+    bridge, _, _, _ = run(arch)
+    n = bridge.cfg.n_layers
+    for read in (A.W_Q, A.W_O, A.b_V, A.W_in, A.W_out):
+        assert torch.equal(read(bridge), torch.stack([read(bridge, i) for i in range(n)]))
+    groups = bridge.cfg.n_heads // bridge.cfg.n_kv_heads
+    repeated = A.W_K(bridge, 0, repeat_kv=True)
+    assert repeated.shape[0] == bridge.cfg.n_heads
+    assert torch.equal(repeated[::groups], A.W_K(bridge, 0))
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE])
+def test_mlp_weights_reproduce_the_mlp(arch):
+    bridge, cache, _, _ = run(arch)
+    for layer in range(bridge.cfg.n_layers):
+        x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+        pre = cache[f"blocks.{layer}.mlp.hook_pre"]
+        if bridge.cfg.gated_mlp:
+            torch.testing.assert_close(x @ A.W_gate(bridge, layer), pre, **TOL)
+            linear = x @ A.W_in(bridge, layer) + A.b_in(bridge, layer)
+            torch.testing.assert_close(linear, cache[f"blocks.{layer}.mlp.hook_pre_linear"], **TOL)
+        else:
+            torch.testing.assert_close(
+                x @ A.W_in(bridge, layer) + A.b_in(bridge, layer), pre, **TOL
+            )
+            with pytest.raises(ValueError, match="has no gated MLP, so there is no W_gate"):
+                A.W_gate(bridge, layer)
+        post = cache[f"blocks.{layer}.mlp.hook_post"]
+        out = post @ A.W_out(bridge, layer) + A.b_out(bridge, layer)
+        torch.testing.assert_close(out, cache[f"blocks.{layer}.hook_mlp_out"], **TOL)
+        with pytest.raises(ValueError, match="dense MLP layer; expert= applies to MoE layers"):
+            A.W_in(bridge, layer, expert=0)
+
+
+def _expert_output(bridge: Bridge, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+    gate = x @ A.W_gate(bridge, layer, expert=expert)
+    up = x @ A.W_in(bridge, layer, expert=expert) + A.b_in(bridge, layer, expert=expert)
+    gate = gate + A.b_gate(bridge, layer, expert=expert)
+    if bridge.cfg.family == "gpt_oss":  # clamped SwiGLU, as GPT-OSS defines it
+        config = bridge.model.config
+        gate, up = (
+            gate.clamp(max=config.swiglu_limit),
+            up.clamp(-config.swiglu_limit, config.swiglu_limit),
+        )
+        hidden = (up + 1) * gate * torch.sigmoid(gate * config.swiglu_alpha)
+    else:
+        hidden = F.silu(gate) * up
+    return hidden @ A.W_out(bridge, layer, expert=expert) + A.b_out(bridge, layer, expert=expert)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_and_router_weights_reproduce_the_moe_block(arch):
+    bridge, cache, _, _ = run(arch)
+    for layer in range(bridge.cfg.n_layers):
+        x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+        logits = x @ A.W_router(bridge, layer) + A.b_router(bridge, layer)
+        torch.testing.assert_close(logits, cache[f"blocks.{layer}.mlp.hook_router_logits"], **TOL)
+        weights = cache[f"blocks.{layer}.mlp.hook_router_weights"]
+        out = sum(
+            weights[..., e, None] * _expert_output(bridge, layer, e, x)
+            for e in range(bridge.cfg.n_experts)
+        )
+        torch.testing.assert_close(out, cache[f"blocks.{layer}.hook_mlp_out"], **TOL)
+        assert torch.equal(A.W_in(bridge, layer)[1], A.W_in(bridge, layer, expert=1))
+        with pytest.raises(IndexError, match="out of range for a layer with"):
+            A.W_out(bridge, layer, expert=bridge.cfg.n_experts)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_embedding_and_unembedding(arch):
+    bridge, cache, tokens, logits = run(arch)
+    scale = getattr(bridge.embed, "embed_scale", 1.0)
+    torch.testing.assert_close(cache["hook_embed"], A.W_E(bridge)[tokens] * scale, **TOL)
+    if bridge.pos_embed is not None:
+        positions = torch.arange(tokens.shape[1])
+        torch.testing.assert_close(
+            cache["hook_pos_embed"],
+            A.W_pos(bridge)[positions].expand_as(cache["hook_pos_embed"]),
+            **TOL,
+        )
+    else:
+        with pytest.raises(ValueError, match="has no learned position embedding"):
+            A.W_pos(bridge)
+    unembedded = cache["ln_final.hook_normalized"] @ A.W_U(bridge) + A.b_U(bridge)
+    cap = bridge.cfg.final_logit_softcapping
+    if cap:
+        unembedded = torch.tanh(unembedded / cap) * cap
+    torch.testing.assert_close(unembedded, logits, **TOL)
+
+
+def test_layer_out_of_range_is_refused():
+    bridge, _, _, _ = run("llama")
+    with pytest.raises(IndexError, match="layer 5 is out of range for a model with 2 layers"):
+        A.W_Q(bridge, 5)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_quantized_experts_are_read_through_the_guard(arch):
+    bridge = Bridge(perturbed_model(arch))
+    quantized = quantize(bridge, "int8", group_size=32)
+    module = quantized.model.model.layers[0].mlp.experts
+    with pytest.raises(NotImplementedError, match="qlens cannot read the experts of layer 0"):
+        A.W_in(quantized, 0)
+    weights = A.experts(quantized, 0, dequantize=True)
+    assert torch.equal(weights.gate_up, qlens.dequantize(module.gate_up_payload))
+    assert torch.equal(weights.down, qlens.dequantize(module.down_payload))
+    for read in (A.W_gate, A.W_in, A.W_out, A.b_gate, A.b_out):  # same layout as the float model
+        torch.testing.assert_close(
+            read(quantized, 0, dequantize=True), read(bridge, 0), atol=2e-3, rtol=0
+        )
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi3", "gpt_neox"])
+def test_fused_projections_of_quantized_models_split_like_float_ones(arch):
+    bridge = Bridge(perturbed_model(arch))
+    quantized = quantize(bridge, "int8", group_size=32)
+    with pytest.raises(
+        NotImplementedError, match=r"qlens cannot read W_K of layer 1 \(fused qkv\)"
+    ):
+        A.W_K(quantized, 1)
+    for read in (A.W_Q, A.W_K, A.W_V, A.b_V, A.W_O, A.W_in, A.W_out):
+        torch.testing.assert_close(
+            read(quantized, dequantize=True), read(bridge), atol=2e-3, rtol=0
+        )

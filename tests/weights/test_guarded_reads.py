@@ -1,0 +1,147 @@
+"""Every weight-space accessor and analysis refuses each kind of unreadable weight, naming the
+operation, the reason and the quantization method; with the opt-in it returns exactly the
+dequantized values (``qlens.dequantize``, or a tensor subclass' own ``dequantize()``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from unreadable_models import DEQUANTIZABLE, EXPECTED, KINDS, float_model, swapped_bridge
+
+import qlens
+from qlens import analysis
+from qlens.bridge import Bridge
+from qlens.weights import accessors as A
+from qlens.weights import circuits, dequantized, processing, read_weight
+
+_BRIDGES: dict[str, Bridge] = {}
+
+
+def bridge_of(kind: str) -> Bridge:
+    if kind not in _BRIDGES:
+        _BRIDGES[kind] = swapped_bridge(kind)
+    return _BRIDGES[kind]
+
+
+@pytest.fixture(scope="module")
+def float_cache():
+    bridge = Bridge(float_model())
+    _, cache = bridge.run_with_cache(torch.arange(1, 9)[None])
+    return cache
+
+
+# name -> (call(bridge, cache), the operation the error must name)
+READS = {
+    "W_Q": (lambda b, c: A.W_Q(b, 0), "read W_Q of layer 0"),
+    "W_K": (lambda b, c: A.W_K(b, 0), "read W_K of layer 0"),
+    "W_V stacked": (lambda b, c: A.W_V(b, repeat_kv=True), "read W_V of layer 0"),
+    "W_O": (lambda b, c: A.W_O(b, 0), "read W_O of layer 0"),
+    "b_Q": (lambda b, c: A.b_Q(b, 0), "read W_Q of layer 0"),
+    "b_O": (lambda b, c: A.b_O(b, 0), "read b_O of layer 0"),
+    "W_in": (lambda b, c: A.W_in(b, 0), "read W_in of layer 0"),
+    "W_gate": (lambda b, c: A.W_gate(b, 0), "read W_gate of layer 0"),
+    "W_out": (lambda b, c: A.W_out(b), "read W_out of layer 0"),
+    "b_out": (lambda b, c: A.b_out(b, 0), "read W_out of layer 0"),
+    "W_U": (lambda b, c: A.W_U(b), r"read W_U \(unembedding\)"),
+    "b_U": (lambda b, c: A.b_U(b), r"read W_U \(unembedding\)"),
+    "OV_circuit": (lambda b, c: circuits.OV_circuit(b, 0), "read W_V of layer 0"),
+    "QK_circuit": (lambda b, c: circuits.QK_circuit(b), "read W_Q of layer 0"),
+    "composition": (lambda b, c: circuits.all_composition_scores(b, "Q"), "read W_V of layer 0"),
+    "process_weights": (lambda b, c: processing.process_weights(b), "process the model's weights"),
+    "fold_layer_norm": (lambda b, c: processing.fold_layer_norm(b), "fold layer norms"),
+    "center_unembed": (lambda b, c: processing.center_unembed(b), "center the unembedding"),
+    "fold_value_biases": (lambda b, c: processing.fold_value_biases(b), "fold value biases"),
+    "stack_head_results": (lambda b, c: analysis.stack_head_results(b, c), "read W_O of layer 0"),
+    "full_decomposition": (
+        lambda b, c: analysis.get_full_resid_decomposition(b, c),
+        "read W_O of layer 0",
+    ),
+    "logit_attrs": (
+        lambda b, c: analysis.logit_attrs(b, c["hook_embed"][None], 3),
+        r"read W_U \(unembedding\)",
+    ),
+    "logit_lens": (lambda b, c: analysis.logit_lens(b, c), r"read W_U \(unembedding\)"),
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_refuses_unreadable_weights(kind, read, float_cache):
+    call, operation = READS[read]
+    reason, method = EXPECTED[kind]
+    with pytest.raises(NotImplementedError) as error:
+        call(bridge_of(kind), float_cache)
+    message = str(error.value)
+    assert re.search(f"qlens cannot {operation}", message), message
+    assert re.search(reason, message), message
+    assert re.search(rf"\(quantization: {method}\)", message), message
+
+
+def _oracle(module: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if type(weight).__module__.startswith("torchao"):
+        return weight.dequantize()
+    return qlens.dequantize(module)
+
+
+@pytest.mark.parametrize("kind", DEQUANTIZABLE)
+def test_opt_in_returns_the_dequantized_weights(kind):
+    bridge = bridge_of(kind)
+    attn = bridge.model.model.layers[0].self_attn
+    mlp = bridge.model.model.layers[0].mlp
+    n_heads, n_kv, d_model = bridge.cfg.n_heads, bridge.cfg.n_kv_heads, bridge.cfg.d_model
+    q, k, o = _oracle(attn.q_proj), _oracle(attn.k_proj), _oracle(attn.o_proj)
+    assert torch.equal(read_weight(attn.q_proj, operation="x", dequantize=True), q)
+    assert torch.equal(A.W_Q(bridge, 0, dequantize=True), q.reshape(n_heads, -1, d_model).mT)
+    w_k = k.reshape(n_kv, -1, d_model).mT
+    assert torch.equal(A.W_K(bridge, 0, dequantize=True), w_k)
+    assert torch.equal(
+        A.W_K(bridge, 0, repeat_kv=True, dequantize=True),
+        w_k.repeat_interleave(n_heads // n_kv, 0),
+    )
+    assert torch.equal(A.W_O(bridge, 0, dequantize=True), o.T.reshape(n_heads, -1, d_model))
+    assert torch.equal(A.W_gate(bridge, 0, dequantize=True), _oracle(mlp.gate_proj).T)
+    assert torch.equal(A.W_in(bridge, 0, dequantize=True), _oracle(mlp.up_proj).T)
+    assert torch.equal(A.W_out(bridge, 0, dequantize=True), _oracle(mlp.down_proj).T)
+    assert torch.equal(A.W_U(bridge, dequantize=True), _oracle(bridge.model.lm_head).T)
+
+
+@pytest.mark.parametrize("kind", ["non_tensor", "meta"])
+def test_opt_in_still_refuses_what_cannot_be_rebuilt(kind):
+    expected = "no dequantizer for a" if kind == "non_tensor" else "there are no values to rebuild"
+    with pytest.raises(NotImplementedError, match=expected):
+        A.W_O(bridge_of(kind), 0, dequantize=True)
+
+
+def test_dequantized_context_is_per_bridge_and_scoped():
+    bridge, other = bridge_of("float8"), bridge_of("qlens_payload")
+    expected = A.W_O(bridge, 0, dequantize=True)
+    with dequantized(bridge) as opted:
+        assert opted is bridge
+        assert torch.equal(A.W_O(bridge, 0), expected)
+        assert isinstance(circuits.OV_circuit(bridge, 0).AB, torch.Tensor)
+        with pytest.raises(NotImplementedError, match="read W_O of layer 0"):
+            A.W_O(other, 0)
+    with pytest.raises(NotImplementedError, match="read W_O of layer 0"):
+        A.W_O(bridge, 0)
+    with dequantized():
+        assert torch.equal(A.W_O(other, 0), qlens.dequantize(
+            other.model.model.layers[0].self_attn.o_proj
+        ).T.reshape(other.cfg.n_heads, -1, other.cfg.d_model))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8", "meta"])
+def test_embedding_reads_are_guarded(kind):
+    bridge = Bridge(float_model())
+    stored = {
+        "int8": torch.zeros(64, 128, dtype=torch.int8),
+        "float8": torch.zeros(64, 128, dtype=torch.float8_e4m3fn),
+        "meta": torch.empty(64, 128, device="meta"),
+    }[kind]
+    bridge.embed.weight = torch.nn.Parameter(stored, requires_grad=False)
+    with pytest.raises(NotImplementedError, match=r"qlens cannot read W_E \(token embedding\)"):
+        A.W_E(bridge)
+    with pytest.raises(NotImplementedError, match="W_E"):
+        A.W_E(bridge, dequantize=True)  # a bare tensor carries no scales to rebuild it from

@@ -1,0 +1,130 @@
+"""Weight processing keeps the model's outputs, leaves the original alone and refuses
+quantized weights unless dequantization is opted into."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from arch_models import ARCHS, perturbed_model, tiny_model
+from unreadable_models import swapped_bridge
+
+from qlens.bridge import Bridge
+from qlens.weights import accessors as A
+from qlens.weights import dequantized, processing
+
+TOKENS = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
+TOL = dict(atol=5e-5, rtol=1e-5)
+
+
+def _logits(bridge: Bridge, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return bridge(tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_processed_model_keeps_its_outputs(arch):
+    bridge = Bridge(perturbed_model(arch))
+    before = {n: p.detach().clone() for n, p in bridge.model.state_dict().items()}
+    reference = _logits(bridge)
+    folded = processing.fold_layer_norm(bridge)
+    torch.testing.assert_close(_logits(folded.bridge), reference, **TOL)
+    processed = processing.process_weights(bridge)
+    with torch.no_grad():
+        logits, cache = processed.bridge.run_with_cache(TOKENS)
+    torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), **TOL)
+    assert "ln_final.hook_normalized" in cache and len(cache) > 10  # hooks still fire
+    assert processed.summary.materialized == {}
+    for name, value in bridge.model.state_dict().items():  # the original is untouched
+        assert torch.equal(value, before[name]), name
+    torch.testing.assert_close(_logits(bridge), reference, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma", "phi3", "mixtral"])
+def test_fold_layer_norm_leaves_identity_norms_and_scaled_readers(arch):
+    bridge = Bridge(perturbed_model(arch))
+    w_q = A.W_Q(bridge, 0).clone()
+    norm_weight = bridge.model.get_submodule(bridge.adapter.layers)[0].get_submodule(
+        bridge.adapter.layer.ln1
+    ).weight.detach().clone()  # fmt: skip
+    scale = norm_weight + bridge.cfg.norm_weight_offset
+    folded = processing.fold_layer_norm(bridge).bridge
+    torch.testing.assert_close(A.W_Q(folded, 0), w_q * scale[None, :, None], **TOL)
+    ln1 = folded.model.get_submodule(folded.adapter.layers)[0].get_submodule(
+        folded.adapter.layer.ln1
+    )
+    assert torch.equal(ln1.weight, torch.full_like(ln1.weight, 1 - bridge.cfg.norm_weight_offset))
+
+
+def test_centering_and_value_bias_folding():
+    bridge = Bridge(perturbed_model("gpt2"))
+    centered = processing.center_writing_weights(bridge).bridge
+    assert torch.allclose(A.W_out(centered, 0).mean(-1), torch.zeros(1), atol=1e-6)
+    assert torch.allclose(A.W_E(centered).mean(-1), torch.zeros(1), atol=1e-6)
+    unembed = processing.center_unembed(bridge).bridge
+    assert torch.allclose(A.W_U(unembed).mean(-1), torch.zeros(1), atol=1e-6)
+    folded = processing.fold_value_biases(bridge).bridge
+    assert torch.equal(A.b_V(folded), torch.zeros_like(A.b_V(folded)))
+    expected = A.b_O(bridge, 1) + torch.einsum("hd,hdm->m", A.b_V(bridge, 1), A.W_O(bridge, 1))
+    torch.testing.assert_close(A.b_O(folded, 1), expected, **TOL)
+    torch.testing.assert_close(_logits(folded), _logits(bridge), **TOL)
+
+
+def test_invalid_processing_is_refused():
+    with pytest.raises(ValueError, match="cannot center writing weights of a RMSNorm model"):
+        processing.center_writing_weights(Bridge(tiny_model("llama")))
+    with pytest.raises(ValueError, match="attention sinks take part of the softmax mass"):
+        processing.fold_value_biases(Bridge(tiny_model("gpt_oss")))
+
+
+def test_inplace_processes_the_given_model():
+    bridge = Bridge(perturbed_model("llama"))
+    result = processing.fold_layer_norm(bridge, inplace=True)
+    assert result.bridge.model is bridge.model
+
+
+def test_opt_in_materializes_quantized_layers_and_reports_memory(caplog):
+    bridge = swapped_bridge("qlens_payload")
+    tokens = TOKENS % bridge.cfg.d_vocab
+    reference = _logits(bridge, tokens)
+    with caplog.at_level(logging.WARNING, logger="qlens.weights.materialize"):
+        result = processing.process_weights(bridge, dequantize=True)
+    summary = result.summary
+    assert len(summary.materialized) == 8  # q k v o gate up down lm_head
+    assert summary.materialized["model.layers.0.mlp.down_proj"] == 128 * 256 * 4
+    assert summary.materialized_bytes == sum(summary.materialized.values())
+    assert "materialized 8 quantized weights as float32" in str(summary)
+    announced = f"materializing 8 quantized weights as float32 ({summary.materialized_bytes / 2**20:.2f} MiB)"
+    assert announced in caplog.text  # announced before materializing, with the same total
+    logits = _logits(result.bridge, tokens)
+    torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), **TOL)
+    with dequantized(bridge):  # the bridge-level opt-in works too
+        folded = processing.fold_layer_norm(bridge)
+    assert folded.summary.materialized == summary.materialized
+
+
+def test_scans_three_dimensional_experts():
+    model = perturbed_model("mixtral")
+    experts = model.model.layers[1].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(
+        experts.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False
+    )
+    bridge = Bridge(model)
+    message = r"first: model\.layers\.1\.mlp\.experts\.gate_up_proj\) because the weight has 1-byte"
+    with pytest.raises(NotImplementedError, match=message):
+        processing.fold_layer_norm(bridge)
+    with pytest.raises(NotImplementedError, match="no dequantizer for a torch"):
+        processing.fold_layer_norm(bridge, dequantize=True)
+    with pytest.raises(NotImplementedError, match=r"read the experts of layer 1"):
+        A.W_in(bridge, 1)
+
+
+def test_quantized_experts_are_refused_even_when_opted_in():
+    from qlens.quant.model_quantize import quantize
+
+    quantized = quantize(Bridge(tiny_model("mixtral")), "int8", group_size=32)
+    with pytest.raises(NotImplementedError, match=r"\(quantization: qlens int8 payload"):
+        processing.fold_layer_norm(quantized)
+    with pytest.raises(NotImplementedError, match="does not rebuild a float module of this kind"):
+        processing.fold_layer_norm(quantized, dequantize=True)
