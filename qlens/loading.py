@@ -1,0 +1,271 @@
+"""`qlens.load`: one entry point from "a model" (default, directory, hub id, loaded model) to a Bridge."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from qlens.bridge import Bridge
+from qlens.models import default_model_dir
+
+ModelSource = str | os.PathLike | torch.nn.Module | tuple | None
+TokenizerSource = str | os.PathLike | PreTrainedTokenizerBase | None
+
+# Files whose presence means a directory holds a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# from_pretrained arguments that say where files come from; config and tokenizer loads need them too.
+_HUB_KEYS = ("local_files_only", "revision", "token", "cache_dir")
+_CAUSAL_LM_CLASS_NAMES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def load(
+    model: ModelSource = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    tokenizer: TokenizerSource = None,
+    trust_remote_code: bool = False,
+    **from_pretrained_kwargs: Any,
+) -> Bridge:
+    """Load a causal LM and wrap it in a `Bridge`.
+
+    `model` may be:
+      * nothing: the embedded SmolLM2-135M-Instruct (converted once into qlens' cache);
+      * a local model directory (config.json plus safetensors weights);
+      * a Hugging Face hub id, read from the local hub cache (pass `local_files_only=False` to
+        allow downloading);
+      * an already-loaded `PreTrainedModel` (quantized or dispatched with `device_map` included),
+        wrapped as it is: never moved, cast or copied;
+      * a `(model, tokenizer)` pair.
+
+    `dtype=None` loads unquantized checkpoints in float32, which makes CPU analysis exact (bf16
+    weights widen losslessly); quantized checkpoints keep the dtype their quantizer chooses. Pass
+    `dtype="auto"` to keep the checkpoint's dtype. `device` places the weights (default: CPU).
+    Loading is safe by default: safetensors only (`use_safetensors=False` allows pickled weights,
+    read with `weights_only=True`) and no remote code unless `trust_remote_code=True`. Remaining
+    keyword arguments go to `AutoModelForCausalLM.from_pretrained`.
+    """
+    if isinstance(model, tuple):
+        if len(model) != 2:
+            raise TypeError(
+                f"load() takes a (model, tokenizer) pair, got a tuple of {len(model)} items."
+            )
+        if tokenizer is not None:
+            raise TypeError(
+                "Pass the tokenizer either inside the (model, tokenizer) pair or as tokenizer=, not both."
+            )
+        model, tokenizer = model
+    if isinstance(model, PreTrainedModel):
+        return _wrap_loaded(model, tokenizer, dtype, device, from_pretrained_kwargs)
+    if isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"load() wraps Hugging Face models (transformers.PreTrainedModel); got "
+            f"{type(model).__qualname__}. Load it with AutoModelForCausalLM.from_pretrained first."
+        )
+    if model is None:
+        model = default_model_dir()
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            "load() takes nothing, a model directory, a hub id, a PreTrainedModel or a "
+            f"(model, tokenizer) pair; got {type(model).__qualname__}."
+        )
+    return _load_from_source(
+        os.fspath(model), dtype, device, tokenizer, trust_remote_code, from_pretrained_kwargs
+    )
+
+
+def _load_from_source(
+    source: str,
+    dtype: torch.dtype | str | None,
+    device: str | torch.device | None,
+    tokenizer: TokenizerSource,
+    trust_remote_code: bool,
+    kwargs: dict[str, Any],
+) -> Bridge:
+    kwargs.setdefault("use_safetensors", True)
+    location = _resolve_location(source, kwargs)
+    config = _read_config(location, trust_remote_code, kwargs)
+    _require_causal_lm_config(config, location)
+    _require_safetensors_unless_allowed(location, kwargs)
+    if dtype is None:
+        dtype = "auto" if getattr(config, "quantization_config", None) else torch.float32
+    if device is not None:
+        if "device_map" in kwargs:
+            raise TypeError("Pass either device= or device_map=, not both.")
+        kwargs["device_map"] = device
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+    )
+    hf_model.eval()
+    if tokenizer is None:
+        tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.fspath(tokenizer), trust_remote_code=trust_remote_code
+        )
+    return Bridge(hf_model, tokenizer=tokenizer)
+
+
+def _resolve_location(source: str, kwargs: dict[str, Any]) -> str:
+    """A local directory, or a hub id to read from the local cache unless downloading is allowed."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(
+                f"{source!r} is a file, not a model directory. Pass the directory that holds "
+                "config.json and the weights."
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"The directory {str(path)!r} has no config.json, so it is not a Hugging Face "
+                "model directory. Pass the directory that holds config.json and the weights "
+                "(*.safetensors), e.g. one written by model.save_pretrained()."
+            )
+        return str(path)
+    if _looks_like_path(source):
+        raise FileNotFoundError(
+            f"Model path {source!r} does not exist. Pass an existing model directory, a hub id "
+            "such as 'HuggingFaceTB/SmolLM2-135M', or nothing for the embedded default model."
+        )
+    kwargs.setdefault("local_files_only", True)
+    return source
+
+
+def _looks_like_path(source: str) -> bool:
+    parts = source.replace("\\", "/").split("/")
+    return (
+        os.path.isabs(source)
+        or source.startswith(("~", "."))
+        or len(parts) > 2
+        or any(part in ("", ".", "..") for part in parts)
+    )
+
+
+def _read_config(
+    location: str, trust_remote_code: bool, kwargs: dict[str, Any]
+) -> PretrainedConfig:
+    config_kwargs = _hub_kwargs(kwargs)
+    try:
+        return AutoConfig.from_pretrained(
+            location, trust_remote_code=trust_remote_code, **config_kwargs
+        )
+    except OSError as error:
+        if Path(location).is_dir() or not kwargs.get("local_files_only"):
+            raise
+        raise FileNotFoundError(
+            f"{location!r} is neither a local directory nor a model in the local Hugging Face "
+            "cache. Pass the path of a downloaded model directory, or local_files_only=False to "
+            "download it from the hub."
+        ) from error
+
+
+def _require_safetensors_unless_allowed(location: str, kwargs: dict[str, Any]) -> None:
+    directory = Path(location)
+    if not kwargs["use_safetensors"] or not directory.is_dir():
+        return
+    if any(directory.glob("*.safetensors*")):
+        return
+    pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+        p.name for p in directory.glob("*.pt")
+    )
+    if pickled:
+        raise ValueError(
+            f"The directory {location!r} holds only pickled weights ({', '.join(pickled[:3])}); "
+            "qlens reads safetensors by default. Pass use_safetensors=False to read them "
+            "(transformers then loads them with torch.load(weights_only=True))."
+        )
+
+
+def _hub_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {key: kwargs[key] for key in _HUB_KEYS if key in kwargs}
+
+
+def _require_causal_lm_config(config: PretrainedConfig, location: str) -> None:
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures:
+        causal = any(_is_causal_lm_class_name(name) for name in architectures)
+    else:
+        causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not causal:
+        described = ", ".join(architectures) or f"model_type {config.model_type!r}"
+        raise ValueError(
+            f"{location!r} holds a {described} model, which is not a causal language model. "
+            "qlens analyses decoder-only LMs that AutoModelForCausalLM can load "
+            "(e.g. Llama, Qwen, Gemma, GPT-2)."
+        )
+
+
+def _is_causal_lm_class_name(name: str) -> bool:
+    return name in _CAUSAL_LM_CLASS_NAMES or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _find_tokenizer(
+    location: str, trust_remote_code: bool, kwargs: dict[str, Any]
+) -> PreTrainedTokenizerBase | None:
+    """The tokenizer stored with the model; None for a local directory that has none."""
+    if Path(location).is_dir() and not any(
+        (Path(location) / name).is_file() for name in _TOKENIZER_FILES
+    ):
+        return None
+    hub_kwargs = _hub_kwargs(kwargs)
+    return AutoTokenizer.from_pretrained(
+        location, trust_remote_code=trust_remote_code, **hub_kwargs
+    )
+
+
+def _wrap_loaded(
+    model: PreTrainedModel,
+    tokenizer: TokenizerSource,
+    dtype: torch.dtype | str | None,
+    device: str | torch.device | None,
+    kwargs: dict[str, Any],
+) -> Bridge:
+    """Wrap an already-loaded model in place: no move, no cast, no copy."""
+    given = [name for name, value in (("dtype", dtype), ("device", device)) if value is not None]
+    given += sorted(kwargs)
+    if given:
+        raise TypeError(
+            f"load() wraps an already-loaded model as it is, so {', '.join(given)} cannot be "
+            "applied. Move or cast the model yourself first (e.g. model.to(...)), then call load()."
+        )
+    if not any(_is_causal_lm_class_name(cls.__name__) for cls in type(model).__mro__):
+        raise ValueError(
+            f"{type(model).__name__} is not a causal language model. qlens analyses decoder-only "
+            "LMs with a language-model head (classes such as LlamaForCausalLM)."
+        )
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    elif tokenizer is None:
+        tokenizer = _tokenizer_of_loaded(model)
+    return Bridge(model, tokenizer=tokenizer)
+
+
+def _tokenizer_of_loaded(model: PreTrainedModel) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved next to a loaded model's checkpoint, if there is one on disk."""
+    origin = getattr(model, "name_or_path", "") or ""
+    if not origin:
+        return None
+    if Path(origin).is_dir():
+        return _find_tokenizer(origin, trust_remote_code=False, kwargs={})
+    try:
+        return AutoTokenizer.from_pretrained(origin, local_files_only=True)
+    except OSError:
+        warnings.warn(
+            f"No tokenizer for {origin!r} in the local Hugging Face cache; the bridge accepts "
+            "token ids only. Pass tokenizer= to use text.",
+            stacklevel=3,
+        )
+        return None
