@@ -85,7 +85,8 @@ def stack_head_results(
     Values are ``[component *batch pos d_model]``, labels ``L{layer}H{head}``; needs
     ``attn.hook_z`` in the cache. W_O is read through the guard (``dequantize`` opts in).
     """
-    parts, labels = [], []
+    parts: list[Tensor] = []
+    labels: list[str] = []
     for i in range(_layer_count(bridge, layer)):
         z = cache[f"blocks.{i}.attn.hook_z"]
         w_o = accessors.W_O(bridge, i, dequantize=dequantize).to(z.dtype)

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -87,9 +87,10 @@ def is_conv1d(module: nn.Module) -> bool:
 def stored_codes(module: nn.Module) -> Any:
     """The tensor (or object) a module keeps its weight in, as stored."""
     if is_payload_module(module):
-        specs = module.payload_specs()
+        holder = cast(Any, module)
+        specs = holder.payload_specs()
         prefix = "weight" if "weight" in specs else next(iter(specs))
-        return module.payload_for(prefix).data
+        return holder.payload_for(prefix).data
     for name in ("weight", "weight_packed", "qweight"):
         if name in module._parameters or name in module._buffers or hasattr(module, name):
             return getattr(module, name)
@@ -104,7 +105,8 @@ def method_owner(module: nn.Module, owner: Any) -> Any:
     if quantization_method(config):
         return config
     if is_payload_module(module):
-        formats = sorted({spec.format.name for spec in module.payload_specs().values()})
+        specs = cast(Any, module).payload_specs()
+        formats = sorted({spec.format.name for spec in specs.values()})
         return {"quant_method": f"qlens {'/'.join(formats)} payload ({type(module).__name__})"}
     return owner
 
@@ -112,8 +114,9 @@ def method_owner(module: nn.Module, owner: Any) -> Any:
 def _dequantize_module(module: nn.Module) -> Tensor | dict[str, Tensor]:
     from qlens.quant.dequantize import dequantize
 
+    holder = cast(Any, module)
     if is_payload_module(module) and not hasattr(module, "payload"):
-        return {prefix: dequantize(module.payload_for(prefix)) for prefix in module.payload_specs()}
+        return {prefix: dequantize(holder.payload_for(prefix)) for prefix in holder.payload_specs()}
     return dequantize(module)
 
 
@@ -286,6 +289,10 @@ def read_experts(
             raise TypeError(f"{type(module).__name__} did not dequantize to gate_up/down weights")
         gate_up = values.get("gate_up", values.get("gate_up_proj"))
         down = values.get("down", values.get("down_proj"))
+        if gate_up is None or down is None:
+            raise TypeError(
+                f"{type(module).__name__} dequantized to {sorted(values)}, not gate_up and down"
+            )
         gate = getattr(module, "gate", None)
         stacked = getattr(gate, "layout", "stacked") == "stacked"
         return ExpertWeights(

@@ -10,7 +10,7 @@ quantized weights in float instead of raising.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -18,11 +18,23 @@ from torch import Tensor, nn
 
 from qlens.weights.access import (
     ExpertWeights,
+    GateUpLayout,
     read_experts,
     read_optional,
     read_weight,
     split_gate_up,
 )
+
+
+def required_layer_module(bridge: Any, layer: int, component: str) -> nn.Module:
+    """Like :func:`layer_module`, for components every layer of a supported model has."""
+    module = layer_module(bridge, layer, component)
+    if module is None:
+        raise ValueError(
+            f"layer {layer} of this {bridge.adapter.family} model has no {component!r} module; "
+            "the adapter table does not match the model"
+        )
+    return module
 
 
 def layer_module(bridge: Any, layer: int, component: str) -> nn.Module | None:
@@ -260,7 +272,7 @@ def _dense_rows(
             fused, operation=op + " (fused gate_up)", owner=bridge, dequantize=dequantize
         )
         bias = read_optional(fused, "bias", operation=op, owner=bridge, dequantize=dequantize)
-        layout = bridge.adapter.gate_up_layout or "halves"
+        layout = cast(GateUpLayout, bridge.adapter.gate_up_layout or "halves")
         index = 0 if part == "gate" else 1
         return (
             split_gate_up(weight, layout, dim=0)[index],

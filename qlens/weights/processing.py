@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from qlens.weights import accessors
 from qlens.weights.access import read_optional, read_weight
-from qlens.weights.accessors import layer_module, qkv_row_indices
+from qlens.weights.accessors import layer_module, qkv_row_indices, required_layer_module
 from qlens.weights.materialize import Processed, prepare
 from qlens.weights.storage import replace_tensor, write_tensor, write_weight
 
@@ -173,7 +173,7 @@ def _fold_into_experts(bridge: Any, module: nn.Module, scale: Tensor, bias: Tens
 def _fold_layer_norm(bridge: Any) -> None:
     for layer in range(bridge.cfg.n_layers):
         for norm_field, readers in (("ln1", _LN1_READERS), ("ln2", _LN2_READERS + ("experts",))):
-            norm = layer_module(bridge, layer, norm_field)
+            norm = required_layer_module(bridge, layer, norm_field)
             scale, bias = _norm_affine(bridge, norm, f"layer {layer} {norm_field}")
             for field in readers:
                 module = layer_module(bridge, layer, field)
@@ -221,7 +221,7 @@ def _center_writing_weights(bridge: Any) -> None:
     if bridge.pos_embed is not None:
         _center_embedding(bridge, bridge.pos_embed, op)
     for layer in range(bridge.cfg.n_layers):
-        _center_rows(bridge, layer_module(bridge, layer, "o"), op)
+        _center_rows(bridge, required_layer_module(bridge, layer, "o"), op)
         down = layer_module(bridge, layer, "mlp_down")
         experts = layer_module(bridge, layer, "experts")
         if experts is not None:
@@ -258,7 +258,7 @@ def _fold_value_biases(bridge: Any) -> None:
         if not bool(b_v.any()):
             continue
         w_o = accessors.W_O(bridge, layer)
-        o = layer_module(bridge, layer, "o")
+        o = required_layer_module(bridge, layer, "o")
         delta = torch.einsum("hd,hdm->m", b_v.float(), w_o.float())
         own = read_optional(o, "bias", operation=op, owner=bridge)
         new_bias = delta if own is None else own.float() + delta
@@ -268,7 +268,7 @@ def _fold_value_biases(bridge: Any) -> None:
             bias = _require_tensor(v, "bias", op, bridge)
             write_tensor(v, "bias", torch.zeros_like(bias))
             continue
-        qkv = layer_module(bridge, layer, "qkv")
+        qkv = required_layer_module(bridge, layer, "qkv")
         bias = _require_tensor(qkv, "bias", op, bridge).detach().clone()
         bias[qkv_row_indices(bridge, "v", bias.shape[0], layer)] = 0
         write_tensor(qkv, "bias", bias)

@@ -71,9 +71,9 @@ def unreadable_weights(model: nn.Module) -> list[UnreadableWeight]:
         ]:
             if value is None:
                 continue
-            reason = unreadable_weight_reason(value)
-            if reason is not None:
-                found.append(UnreadableWeight(where + name, reason, module, value, False))
+            why = unreadable_weight_reason(value)
+            if why is not None:
+                found.append(UnreadableWeight(where + name, why, module, value, False))
     return _without_children_of_quantized(found)
 
 
