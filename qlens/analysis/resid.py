@@ -7,6 +7,7 @@ Weights (W_O, W_out, W_U) are read through the guarded accessors.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -78,12 +79,21 @@ def _stack(parts: list[Tensor], labels: list[str]) -> Labeled:
 
 
 def stack_head_results(
-    bridge: Any, cache: Any, layer: int | None = None, *, dequantize: bool = False
+    bridge: Any,
+    cache: Any,
+    layer: int | None = None,
+    *,
+    apply_post_norm: bool = False,
+    dequantize: bool = False,
 ) -> Labeled:
     """Each head's output ``z_h @ W_O[h]`` for the layers before ``layer`` (bias excluded).
 
     Values are ``[component *batch pos d_model]``, labels ``L{layer}H{head}``; needs
-    ``attn.hook_z`` in the cache. W_O is read through the guard (``dequantize`` opts in).
+    ``attn.hook_z`` in the cache. With ``apply_post_norm`` on a sandwich-norm model (Gemma 2/3),
+    each head goes through the attention post-norm linearly, with the norm's scale frozen from
+    the cache (``ln1_post.hook_scale``): ``result_h * w_post / scale``, Gemma's ``1 + w`` (see
+    :func:`apply_ln_to_stack`); these are the heads' terms of the residual stream. W_O is read
+    through the guard (``dequantize`` opts in).
     """
     parts: list[Tensor] = []
     labels: list[str] = []
@@ -91,11 +101,35 @@ def stack_head_results(
         z = cache[f"blocks.{i}.attn.hook_z"]
         w_o = accessors.W_O(bridge, i, dequantize=dequantize).to(z.dtype)
         result = torch.einsum("...hd,hdm->h...m", z, w_o)
+        if apply_post_norm and _has_sandwich_norms(bridge):
+            result = _through_post_norm(bridge, cache, i, "attn", result)
         parts.extend(result.unbind(0))
         labels += [f"L{i}H{h}" for h in range(w_o.shape[0])]
     if not parts:
         raise ValueError("stack_head_results needs at least one layer (layer >= 1 or None)")
     return _stack(parts, labels)
+
+
+def _post_norm(bridge: Any, cache: Any, layer: int, kind: str) -> tuple[Any, Tensor]:
+    """The sandwich post-norm after a layer's attention or MLP, and its cached scale."""
+    field = "ln1_post" if kind == "attn" else "ln2_post"
+    name = f"blocks.{layer}.{field}.hook_scale"
+    if name not in cache:
+        raise ValueError(
+            f"decomposing a {bridge.cfg.family} residual through its post-norms needs {name} "
+            "in the cache; run run_with_cache without a names_filter that drops it"
+        )
+    return accessors.required_layer_module(bridge, layer, field), cache[name]
+
+
+def _through_post_norm(bridge: Any, cache: Any, layer: int, kind: str, stack: Tensor) -> Tensor:
+    norm, scale = _post_norm(bridge, cache, layer, kind)
+    return _normalize_linearly(bridge, norm, scale, stack)
+
+
+def _post_norm_bias(bridge: Any, cache: Any, layer: int, kind: str) -> Tensor | None:
+    norm, _ = _post_norm(bridge, cache, layer, kind)
+    return read_optional(norm, "bias", operation="decompose the residual through a post-norm")
 
 
 def get_full_resid_decomposition(
@@ -109,23 +143,26 @@ def get_full_resid_decomposition(
     """The residual as every head, every MLP (or every neuron), the embeddings and the biases.
 
     Components: each head (``L{i}H{h}``), each MLP (``{i}_mlp_out``) or with
-    ``expand_neurons`` each neuron (``L{i}N{n}``) plus the MLP output biases, the embeddings, and
-    ``bias`` (the sum of the attention output biases). Sandwich-norm families (Gemma 2/3) are
-    refused: their post-norms make the residual a non-linear function of the heads.
+    ``expand_neurons`` each neuron (``L{i}N{n}``), the embeddings, and ``bias`` (the attention
+    output biases, with ``expand_neurons`` the MLP output biases, and any post-norm biases).
+    Sandwich-norm families (Gemma 2/3) normalize each attention/MLP output before adding it:
+    there every term goes through that post-norm linearly, with the norm's scale frozen from the
+    cache (``blocks.{i}.ln1_post.hook_scale`` / ``ln2_post.hook_scale``), so the components still
+    sum to the residual exactly.
     """
-    if _has_sandwich_norms(bridge):
-        raise ValueError(
-            f"a {bridge.cfg.family} model normalizes each attention/MLP output before adding it "
-            "to the residual (sandwich norms), so the residual is not a sum of per-head or "
-            "per-neuron terms; use decompose_resid for per-layer components"
-        )
     n = _layer_count(bridge, layer)
-    heads = stack_head_results(bridge, cache, n, dequantize=dequantize) if n else None
+    sandwich = _has_sandwich_norms(bridge)
+    heads = (
+        stack_head_results(bridge, cache, n, apply_post_norm=True, dequantize=dequantize)
+        if n
+        else None
+    )
     parts = list(heads.values.unbind(0)) if heads is not None else []
     labels = list(heads.labels["component"]) if heads is not None else []
     bias = torch.zeros_like(cache["hook_embed"])
     for i in range(n):
-        bias = bias + accessors.b_O(bridge, i, dequantize=dequantize).to(bias.dtype)
+        attn_bias = accessors.b_O(bridge, i, dequantize=dequantize).to(bias.dtype)
+        bias = bias + _post_normed_bias(bridge, cache, i, "attn", attn_bias, sandwich)
         if not expand_neurons:
             parts.append(_branch(cache, i, "mlp"))
             labels.append(f"{i}_mlp_out")
@@ -137,12 +174,26 @@ def get_full_resid_decomposition(
             )
         post = cache[f"blocks.{i}.mlp.hook_post"]
         w_out = accessors.W_out(bridge, i, dequantize=dequantize).to(post.dtype)
-        neurons = post[..., :, None] * w_out  # [*batch pos d_mlp d_model]
-        parts.extend(neurons.movedim(-2, 0).unbind(0))
+        neurons = (post[..., :, None] * w_out).movedim(-2, 0)  # [d_mlp *batch pos d_model]
+        if sandwich:
+            neurons = _through_post_norm(bridge, cache, i, "mlp", neurons)
+        parts.extend(neurons.unbind(0))
         labels += [f"L{i}N{j}" for j in range(w_out.shape[0])]
-        bias = bias + accessors.b_out(bridge, i, dequantize=dequantize).to(bias.dtype)
+        mlp_bias = accessors.b_out(bridge, i, dequantize=dequantize).to(bias.dtype)
+        bias = bias + _post_normed_bias(bridge, cache, i, "mlp", mlp_bias, sandwich)
     embeds, embed_labels = _embeds(cache)
     return _stack([*parts, *embeds, bias], [*labels, *embed_labels, "bias"])
+
+
+def _post_normed_bias(
+    bridge: Any, cache: Any, layer: int, kind: str, bias: Tensor, sandwich: bool
+) -> Tensor:
+    """A layer's output bias as it reaches the residual (through the post-norm, plus its bias)."""
+    if not sandwich:
+        return bias
+    normed = _through_post_norm(bridge, cache, layer, kind, bias)  # [*batch pos d_model]
+    norm_bias = _post_norm_bias(bridge, cache, layer, kind)
+    return normed if norm_bias is None else normed + norm_bias.to(normed.dtype)
 
 
 def _norm_for(bridge: Any, layer: int | None, mlp_input: bool) -> tuple[Any, str]:
@@ -152,6 +203,18 @@ def _norm_for(bridge: Any, layer: int | None, mlp_input: bool) -> tuple[Any, str
     return accessors.layer_module(bridge, layer, field), f"blocks.{layer}.{field}.hook_scale"
 
 
+def _normalize_linearly(bridge: Any, norm: Any, scale: Tensor, stack: Tensor) -> Tensor:
+    """A norm applied to each component of ``stack`` with the full input's ``scale`` frozen:
+    centered (LayerNorm), divided by ``scale``, times the weight (Gemma: ``1 + w``); no bias."""
+    if bridge.cfg.normalization_type == "LN":
+        stack = stack - stack.mean(-1, keepdim=True)
+    stack = stack / scale.to(stack.dtype)
+    weight = read_optional(norm, "weight", operation="apply a norm to a residual stack")
+    if weight is not None:
+        stack = stack * (weight.to(stack.dtype) + bridge.cfg.norm_weight_offset)
+    return stack
+
+
 def apply_ln_to_stack(
     bridge: Any,
     cache: Any,
@@ -159,23 +222,32 @@ def apply_ln_to_stack(
     layer: int | None = None,
     *,
     mlp_input: bool = False,
+    bias_component: int | None = None,
 ) -> Float[Tensor, "component *batch_pos d_model"]:
     """Apply the norm in front of ``layer`` (final norm when None) to each component linearly.
 
     Each component is centered (LayerNorm), divided by the cached ``hook_scale`` of the full
-    residual and multiplied by the norm's weight (Gemma: ``1 + w``). The norm's bias is not
-    attributable to any component and is left out; fold it with
-    ``qlens.weights.process_weights`` to move it into the next layer's biases.
+    residual and multiplied by the norm's weight (Gemma: ``1 + w``). The norm's bias belongs to
+    no component: by default it is left out (as TransformerLens does), so the components sum to
+    ``hook_normalized`` minus the bias. Pass ``bias_component`` (e.g. ``-1`` for the ``bias``
+    component of :func:`get_full_resid_decomposition`, which holds the decomposition's constant
+    terms the same way) to add it to that component; then the stack sums to ``hook_normalized``
+    exactly. Folding the norms (``qlens.weights.process_weights``) removes the bias altogether.
     """
     norm, scale_name = _norm_for(bridge, layer, mlp_input)
-    scale = cache[scale_name]
-    stack = residual_stack
-    if bridge.cfg.normalization_type == "LN":
-        stack = stack - stack.mean(-1, keepdim=True)
-    stack = stack / scale.to(stack.dtype)
-    weight = read_optional(norm, "weight", operation="apply a norm to a residual stack")
-    if weight is not None:
-        stack = stack * (weight.to(stack.dtype) + bridge.cfg.norm_weight_offset)
+    stack = _normalize_linearly(bridge, norm, cache[scale_name], residual_stack)
+    if bias_component is None:
+        return stack
+    if not -stack.shape[0] <= bias_component < stack.shape[0]:
+        raise IndexError(
+            f"bias_component {bias_component} is out of range for a stack of {stack.shape[0]} "
+            "components"
+        )
+    bias = read_optional(norm, "bias", operation="apply a norm to a residual stack")
+    if bias is None:
+        return stack
+    stack = stack.clone()
+    stack[bias_component] = stack[bias_component] + bias.to(stack.dtype)
     return stack
 
 
@@ -186,9 +258,26 @@ def logit_attrs(
     incorrect_tokens: int | Int[Tensor, "*batch_pos"] | None = None,
     *,
     dequantize: bool = False,
+    allow_softcap: bool = False,
 ) -> Float[Tensor, " component *batch_pos"]:
     """Direct logit attribution: each component's dot product with ``W_U[:, tokens]`` (minus
-    ``W_U[:, incorrect_tokens]`` when given). W_U is read through the guard."""
+    ``W_U[:, incorrect_tokens]`` when given). W_U is read through the guard.
+
+    The attributions add up to the logits before any final softcapping. Models that softcap
+    their logits (Gemma 2: ``logits = c * tanh(raw / c)``) make this approximate: the capped
+    logit difference is not a sum of per-component terms, and each component's true effect
+    depends on all the others. A warning says so unless ``allow_softcap=True``.
+    """
+    softcap = bridge.cfg.final_logit_softcapping
+    if softcap and not allow_softcap:
+        warnings.warn(
+            f"this {bridge.cfg.family} model softcaps its final logits "
+            f"(logits = {softcap} * tanh(raw / {softcap})), so direct logit attribution is "
+            "approximate: the attributions add up to the raw logits before the softcap, not to "
+            "the model's logits. Pass allow_softcap=True to accept this and silence the warning",
+            UserWarning,
+            stacklevel=2,
+        )
     w_u = accessors.W_U(bridge, dequantize=dequantize)
     direction = w_u.T[torch.as_tensor(tokens, device=w_u.device)]
     if incorrect_tokens is not None:

@@ -50,9 +50,13 @@ SPLITK_MAX_M = 64
 
 # H200 table: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
 # From the sweeps of benchmarks/kernels.py on 28672 x 8192 (benchmarks/results/kernels_*h200.md):
-# the in-kernel decode feeds tensor cores poorly beyond a few rows, so larger batches dequantize
-# once and multiply with cuBLAS; W8A8 hands batches above 16 rows to cuBLAS' blockwise FP8 GEMM
-# (faster than the Triton split-K from M = 64 on three of the four benchmark shapes).
+# up to 4 rows the GEMV (packed 4-bit weights in whole int32 words take the word-wise kernel of
+# decode_fast.py, other weights the byte-wise one); up to 32 rows the tensor-core split-K;
+# larger batches dequantize once and multiply with cuBLAS. The word-wise kernel also serves
+# 5-16 rows on tensor cores when given a "gemv" launch (benchmarks/kernels_decode.py compares
+# it with split-K); it is not in the table until measured on the H200. W8A8 hands batches
+# above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
+# three of the four benchmark shapes).
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (GEMV_MAX_M, "gemv", 16, 32, 256, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),
@@ -83,9 +87,14 @@ def _sm_count(device: torch.device) -> int:
     return 1
 
 
-def _split_for(m: int, n: int, k: int, cfg: LinearConfig, sms: int) -> int:
-    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split."""
-    rows = m if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
+def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device) -> int:
+    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split.
+
+    GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
+    one program); the byte-wise GEMV launches one per row, so its split errs towards more.
+    """
+    sms = _sm_count(device)
+    rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     split = 1
@@ -123,5 +132,5 @@ def choose_config(
             cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
             break
     if cfg.path in ("splitk", "gemv"):
-        cfg = replace(cfg, split_k=_split_for(m, n, k, cfg, _sm_count(device)))
+        cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

@@ -1,17 +1,20 @@
-"""Few-row (M <= 16) weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4).
+"""Few-row weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4).
 
 The packed weight is read as int32 words of eight codes (16-byte vector loads, no K mask on the
-hot loop) and every code is decoded in a few integer operations:
+hot loop) and every code is decoded exactly in a few integer operations:
 
-- int4: ``code | 0x4B000000`` read as float32 is ``2**23 + code``; one subtraction of
-  ``2**23 + zero`` (8 when symmetric) gives the exact integer.
+- int4: with ``0x4B000000`` (float32 ``2**23``) or-ed into the word, masking one code leaves
+  the float ``2**23 + code * 16**i`` (``i`` its nibble within a half word); one FMA scales and
+  subtracts it to ``code - zero``.
 - E2M1: the three magnitude bits go to bits 11..9 and the sign to bit 15 of an fp16, which is
   then exactly ``value * 2**-14``. On the GPU one inline-assembly block turns a word into eight
-  such fp16 values, two per 32-bit register; the interpreter runs the same bit operations one
-  code at a time. The factor ``2**14`` is applied with the group scale.
+  such values, two per 32-bit register; the interpreter runs the same bit operations one code
+  at a time. The factor ``2**14`` is applied with the group scale.
 
-Each code meets all M activation rows in float32 FMAs; the products of one tile are summed per
-word and multiplied by the group scale once per word instead of once per code.
+Up to a few rows, each code meets all rows of ``x`` in float32 FMAs; the products of one tile
+are summed per word and multiplied by the group scale once per word instead of once per code.
+For more rows the decoded, scaled codes feed tensor-core dots, one per code position.
+``x`` arrives regrouped by code position (``qlens.kernels.gemv.permute_codes``).
 """
 
 from typing import no_type_check
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from qlens.kernels.decode import INT4_C, _expand, _group_values, _scales, _tile_groups
+from qlens.kernels.linear import _dot_acc
 from qlens.kernels.numerics import cast_out
 
 # Per register pair p (codes p and p + 4 of a word): left shifts (negative: right) that move the
@@ -84,7 +88,85 @@ def _e2m1_code(words, J: tl.constexpr):
 
 @triton.jit
 @no_type_check
-def _accumulate_tile(
+def _load_words(words_ptr, rows, n_ok, offs_w, K, MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+    """uint32 words at row offsets ``rows`` and word indices ``offs_w`` (2-D or 3-D tensors)."""
+    w_ptrs = words_ptr + rows + offs_w
+    if MASK_K:
+        words = tl.load(w_ptrs, mask=n_ok & (offs_w * 8 < K), other=0)
+    elif MASK_N:
+        words = tl.load(w_ptrs, mask=n_ok, other=0)
+    else:
+        words = tl.load(w_ptrs)
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+@no_type_check
+def _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                 FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """float32 scale and zero point ``[BLOCK_N, BLOCK_K / 8]`` of each word of a K tile (the
+    zero point is the constant 8 without zero points)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    RUN: tl.constexpr = GROUP_K // 8
+    SEVERAL: tl.constexpr = BLOCK_K > GROUP_K
+    n_groups = tl.cdiv(K, GROUP_K)
+    groups = _tile_groups(k0, GROUP_K, BLOCK_K)
+    scale = _expand(
+        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, 1,
+                SCALE_E8M0, GLOBAL_DIVIDE),
+        BLOCK_N, WORDS, RUN, SEVERAL,
+    )  # fmt: skip
+    if HAS_ZEROS:
+        z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, 1, 0)
+        return scale, _expand(z.to(tl.float32), BLOCK_N, WORDS, RUN, SEVERAL)
+    else:
+        return scale, 8.0  # the symmetric int4 offset, folded into a constant
+
+
+@triton.jit
+@no_type_check
+def _code_values(words, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
+    """Per-word state the eight code decodes share: magic-marked words (int4) or the asm's codes."""
+    if FAMILY == INT4_C:
+        return (words | _INT4_MAGIC_C, (words >> 16) | _INT4_MAGIC_C)
+    elif USE_ASM:
+        return tl.inline_asm_elementwise(
+            E2M1_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [words], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return words
+
+
+@triton.jit
+@no_type_check
+def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
+    """Code ``J`` of every word: int4 ``q - zero``, E2M1 ``value * 2**-14`` (exact)."""
+    if FAMILY == INT4_C:
+        # Code J sits at bits 4 * (J % 4) of the word (after a shift by 16 for the upper four);
+        # with the magic bits set the float is 2**23 + q * 16**(J % 4), and one FMA scales it
+        # by 16**-(J % 4) and subtracts 2**(23 - 4 * (J % 4)) + zero, exactly.
+        field = state[J // 4] & (_INT4_MAGIC_C | (0xF << (4 * (J % 4))))
+        value = field.to(tl.float32, bitcast=True)
+        return value * (1.0 / (1 << (4 * (J % 4)))) - ((1 << (23 - 4 * (J % 4))) + zero)
+    elif USE_ASM:
+        return state[J]
+    else:
+        return _e2m1_code(state, J)
+
+
+@triton.jit
+@no_type_check
+def _quad_offsets(offs_w):
+    """Offsets of code 0 of words ``offs_w`` in the regrouped activations (see permute_codes)."""
+    return (offs_w // 4) * 32 + offs_w % 4
+
+
+@triton.jit
+@no_type_check
+def _fma_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
     stride_xm, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
@@ -92,73 +174,70 @@ def _accumulate_tile(
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile.
+    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs.
 
     Every operand is read in the product's own ``[M, N, words]`` shape (``x`` repeated along N,
     served by L1), so no layout exchange through shared memory is needed inside the code loop.
+    ``x`` comes regrouped as float32 (``permute_codes``).
     """
-    WORDS: tl.constexpr = BLOCK_K // 8
-    offs_w = (k0 // 8 + tl.arange(0, WORDS))[None, None, :]
-    n3 = offs_n[None, :, None]
-    w_ptrs = words_ptr + n3 * stride_w + offs_w
-    if MASK_K:
-        words = tl.load(w_ptrs, mask=(n3 < N) & (offs_w * 8 < K), other=0)
-    elif MASK_N:
-        words = tl.load(w_ptrs, mask=n3 < N, other=0)
-    else:
-        words = tl.load(w_ptrs)
-    words = words.to(tl.uint32, bitcast=True)
-    n_groups = tl.cdiv(K, GROUP_K)
-    groups = _tile_groups(k0, GROUP_K, BLOCK_K)
-    RUN: tl.constexpr = GROUP_K // 8
-    SEVERAL: tl.constexpr = BLOCK_K > GROUP_K
-    scale = _expand(
-        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, 1,
-                SCALE_E8M0, GLOBAL_DIVIDE),
-        BLOCK_N, WORDS, RUN, SEVERAL,
-    )[None, :, :]  # fmt: skip
-    if FAMILY == INT4_C:
-        if HAS_ZEROS:
-            z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, 1, 0)
-            zero = _expand(z.to(tl.float32), BLOCK_N, WORDS, RUN, SEVERAL)[None, :, :]
-        else:
-            zero = 8.0
-        marked = (words | _INT4_MAGIC_C, (words >> 16) | _INT4_MAGIC_C)
-    elif USE_ASM:
-        codes = tl.inline_asm_elementwise(
-            E2M1_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [words], dtype=(tl.float32,) * 8,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    # x arrives regrouped in quads of words: xp[m, q, j, r] = x[m, 8 * (4q + r) + j], so each
-    # thread's four words read their activations of code j with one 16-byte load.
-    x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + (offs_w // 4) * 32 + offs_w % 4 + 0 * n3
-    if MASK_K:
-        x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xm // 8) & (n3 >= 0)
-    else:
-        x_mask = (offs_m < M)[:, None, None] & (n3 >= 0)
+    offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
+    n_ok = (offs_n < N)[None, :, None]
+    rows = offs_n[None, :, None] * stride_w
+    words = _load_words(words_ptr, rows, n_ok, offs_w, K, MASK_K, MASK_N)
+    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    if HAS_ZEROS:
+        zero = zero[None, :, :]
+    state = _code_values(words, FAMILY, USE_ASM)
+    x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + _quad_offsets(offs_w) + 0 * rows
+    x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xm // 8) & (rows >= 0)
     for j in tl.static_range(8):
         if MASK_K or MASK_M:
             x = tl.load(x_ptrs + 4 * j, mask=x_mask, other=0.0)
         else:
             x = tl.load(x_ptrs + 4 * j)
-        if FAMILY == INT4_C:
-            # Code j sits at bits 4 * (j % 4) of the word (after a shift by 16 for the upper
-            # four); with the magic bits set, the float below is 2**23 + code * 16**(j % 4), and
-            # x carries 16**-(j % 4).
-            field = marked[j // 4] & (_INT4_MAGIC_C | (0xF << (4 * (j % 4))))
-            w = field.to(tl.float32, bitcast=True) - (8388608.0 + zero * (1 << (4 * (j % 4))))
-        elif USE_ASM:
-            w = codes[j]
-        else:
-            w = _e2m1_code(words, j)
+        w = _code(state, zero, j, FAMILY, USE_ASM)
         if j == 0:
             part = w * x
         else:
             part += w * x
     if FAMILY == INT4_C:
-        return acc + part * scale
+        return acc + part * scale[None, :, :]
     else:
-        return acc + (part * _FACTOR_C) * scale
+        return acc + (part * _FACTOR_C) * scale[None, :, :]
+
+
+@triton.jit
+@no_type_check
+def _dot_tile(
+    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+    stride_xm, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
+    X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``acc[m, n] += x[m, k0:k0 + BLOCK_K] @ W[n, k0:k0 + BLOCK_K]`` on tensor cores: one dot
+    per code position ``j`` over the words of the tile; ``x`` comes regrouped in its dtype."""
+    offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+    words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
+                        MASK_K, MASK_N)  # fmt: skip
+    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    state = _code_values(words, FAMILY, USE_ASM)
+    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + _quad_offsets(offs_w)
+    x_mask = (offs_m < M)[:, None] & (offs_w < stride_xm // 8)
+    for j in tl.static_range(8):
+        x = tl.load(x_ptrs + 4 * j, mask=x_mask, other=0.0).to(X_DTYPE)
+        w = _code(state, zero, j, FAMILY, USE_ASM)
+        if FAMILY == INT4_C:
+            w = w * scale
+        else:
+            w = (w * _FACTOR_C) * scale
+        acc = _dot_acc(x, w, acc, INTERPRET)
+    return acc
 
 
 @triton.jit
@@ -169,9 +248,12 @@ def packed_gemv_kernel(
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split."""
+    """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
+    (few rows) or tensor-core dots in the activations' dtype ``X_DTYPE`` (``USE_DOT``,
+    ``BLOCK_M >= 16``)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
@@ -179,20 +261,36 @@ def packed_gemv_kernel(
     k_begin = pid_k * k_span
     k_end = tl.minimum(k_begin + k_span, K)
     k_full = tl.maximum(k_begin, k_end - k_end % BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    for k0 in range(k_begin, k_full, BLOCK_K):
-        acc = _accumulate_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-            stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
-            BLOCK_N, BLOCK_K, False, MASK_M, MASK_N, USE_ASM,
-        )  # fmt: skip
-    if k_full < k_end:
-        acc = _accumulate_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M, N,
-            K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM,
-        )  # fmt: skip
-    total = tl.sum(acc, axis=2)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_full, BLOCK_K):
+            acc = _dot_tile(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
+                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+            )  # fmt: skip
+        if k_full < k_end:
+            acc = _dot_tile(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                M, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
+            )  # fmt: skip
+        total = acc
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        for k0 in range(k_begin, k_full, BLOCK_K):
+            acc = _fma_tile(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
+                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_M, MASK_N, USE_ASM,
+            )  # fmt: skip
+        if k_full < k_end:
+            acc = _fma_tile(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                M, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM,
+            )  # fmt: skip
+        total = tl.sum(acc, axis=2)
     n_ok = offs_n < N
     mask = (offs_m < M)[:, None] & n_ok[None, :]
     if SPLIT_K == 1:

@@ -1,13 +1,15 @@
-"""Weight-only GEMV for a few rows: decoded weights meet the activations in plain FMAs.
+"""Weight-only GEMV for a few rows: the weight streams once, decoded in registers.
 
-No tensor cores and no shared memory: each program streams a strip of the packed weight with
-wide loads, decodes it in registers and reduces along K once at the end. Packed 4-bit weights
-whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel`` (all rows of ``x`` per
-weight tile, word loads, integer decodes); other weights one program per (N tile, row, K split),
-so small M re-reads the strip from L2, not memory.
+Packed 4-bit weights whose rows are whole int32 words can take ``decode_fast.packed_gemv_kernel``
+(on a GPU only with ``QLENS_WORD_GEMV=1`` until it is measured there; see ``word_view``):
+all rows of ``x`` per weight tile, 16-byte word loads, integer decodes, FMAs for up to
+``FMA_MAX_ROWS`` rows and tensor-core dots beyond. Other weights take the byte-wise kernel here
+(no tensor cores, no shared memory: one program per (N tile, row, K split), so small M re-reads
+the strip from L2, not memory, and the product is reduced along K once at the end).
 """
 
-import functools
+import os
+from dataclasses import replace
 from typing import no_type_check
 
 import torch
@@ -16,11 +18,11 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.configs import LinearConfig
+from qlens.kernels.configs import GEMV_MAX_M, LinearConfig
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.linear import reduce_splits
+from qlens.kernels.linear import reduce_splits, weight_only_linear
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
@@ -78,13 +80,29 @@ def _gemv_kernel(
         tl.store(out_ptr + pid_k * stride_split + row * stride_om + offs_n, total, mask=n_mask)
 
 
+WORD_GEMV_ENV = "QLENS_WORD_GEMV"
+
+
 def word_view(w: KernelWeight) -> Tensor | None:
     """The packed 4-bit data as int32 words ``[n, width / 4]``, or ``None`` when rows are not
-    whole, 16-byte aligned words (then the byte-wise kernel serves the weight)."""
+    whole, 16-byte aligned words (then the byte-wise kernel serves the weight).
+
+    On a GPU the word-wise kernel is opt-in (``QLENS_WORD_GEMV=1``) until it has been measured
+    on hardware; the byte-wise kernel, validated and benchmarked on the H200, is the default.
+    The Triton interpreter always runs it, so its numerics are tested everywhere.
+    """
     data = w.data
     if w.family not in (INT4, MXFP4, NVFP4) or data.shape[1] % 4 or data.data_ptr() % 16:
         return None
+    if not interpreting() and os.environ.get(WORD_GEMV_ENV) != "1":
+        return None
     return data.view(torch.int32)
+
+
+# Up to this many rows the packed GEMV multiplies in FMAs (each weight decoded once for all
+# rows); more rows go to tensor-core dots, whose cost does not grow with the rows.
+FMA_MAX_ROWS = 4
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _block_m(m: int, cap: int) -> int:
@@ -92,26 +110,19 @@ def _block_m(m: int, cap: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), cap)
 
 
-@functools.cache
-def _int4_code_factors(device: torch.device) -> Float[Tensor, "8 1"]:
-    """``16**-(j % 4)`` per code position ``j``: the int4 decode leaves code ``j`` scaled by
-    ``16**(j % 4)``."""
-    powers = [16.0 ** -(j % 4) for j in range(8)]
-    return torch.tensor(powers, dtype=torch.float32, device=device)[:, None]
-
-
-def permute_codes(x: Float[Tensor, "m k"], family: int) -> Float[Tensor, "m quads 8 4"]:
-    """float32 ``x`` regrouped for the packed GEMV: ``out[m, q, j, r] = x[m, 8 * (4q + r) + j]``
-    (zero-padded to whole quads of 8-code words), times ``16**-(j % 4)`` for int4."""
+def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m quads 8 4"]:
+    """``x`` regrouped for the packed GEMV: ``out[m, q, j, r] = x[m, 8 * (4q + r) + j]``
+    (zero-padded to whole quads of 8-code words), so that the four words a thread decodes read
+    their activations of code ``j`` with one wide load. float32 for the FMA kernel, ``x``'s
+    dtype for the tensor-core kernel."""
     m, k = x.shape
     quads = -(-k // 32)
     padded = torch.nn.functional.pad(x, (0, quads * 32 - k)) if k % 32 else x
     grouped = padded.view(m, quads, 4, 8).transpose(2, 3)
-    out = torch.empty((m, quads, 8, 4), dtype=torch.float32, device=x.device)
-    if family == INT4:
-        torch.mul(grouped, _int4_code_factors(x.device), out=out)
-    else:
-        out.copy_(grouped)
+    out = torch.empty(
+        (m, quads, 8, 4), dtype=x.dtype if for_dot else torch.float32, device=x.device
+    )
+    out.copy_(grouped)
     return out
 
 
@@ -124,8 +135,9 @@ def _packed_gemv(
     target: Tensor,
 ) -> None:
     m, k = x.shape
-    xp = permute_codes(x, w.family)
-    block_m = _block_m(m, cfg.block_m)
+    use_dot = m > FMA_MAX_ROWS
+    xp = permute_codes(x, for_dot=use_dot)
+    block_m = max(16, cfg.block_m) if use_dot else _block_m(m, FMA_MAX_ROWS)
     split = cfg.split_k
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
@@ -137,7 +149,8 @@ def _packed_gemv(
         FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split, USE_ASM=not interpret, INTERPRET=interpret,
+        MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+        USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -148,13 +161,21 @@ def gemv_linear(
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
 ) -> Float[Tensor, "m n"]:
-    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel."""
+    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel.
+
+    Packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
+    ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
+    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond.
+    """
     m, k = x.shape
-    n = w.n
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = cfg.split_k
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     words = word_view(w)
+    if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
+        return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
+    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    split = cfg.split_k
+    target = (
+        out if split == 1 else torch.empty((split, m, w.n), dtype=torch.float32, device=x.device)
+    )
     with on_device(x.device):
         if words is not None:
             _packed_gemv(x, w, words, bias, cfg, target)

@@ -19,6 +19,7 @@ from qlens.weights.access import (
     read_tensor,
     read_weight,
 )
+from qlens.weights.float_experts import float_experts, float_experts_bytes, is_experts_module
 from qlens.weights.storage import (
     UnreadableWeight,
     float_dtype,
@@ -67,8 +68,9 @@ def prepare(bridge: Any, operation: str, *, dequantize: bool, inplace: bool) -> 
 
     Scans all weights of the model (every parameter, 3-D experts, quantized modules). Any
     unreadable one raises through the guard unless ``dequantize`` (or a ``dequantized(bridge)``
-    block); then quantized linear layers are replaced by float ``nn.Linear`` and quantized
-    parameters by float ones, announced in the log with their memory and listed in the summary.
+    block); then quantized linear layers are replaced by float ``nn.Linear``, quantized experts
+    modules by float experts modules of the model's HF class and quantized parameters by float
+    ones, announced in the log with their memory and listed in the summary.
     """
     dequantize = dequantize_opted_in(bridge, dequantize)
     found = unreadable_weights(bridge.model)
@@ -96,7 +98,7 @@ def prepare(bridge: Any, operation: str, *, dequantize: bool, inplace: bool) -> 
     model = bridge.model if inplace else copy.deepcopy(bridge.model)
     summary = ProcessingSummary(dtype=str(dtype).removeprefix("torch."))
     for item in unreadable_weights(model):
-        _materialize(model, item, dtype, operation, summary)
+        _materialize(model, item, dtype, operation, summary, bridge.adapter)
     from qlens.bridge import Bridge
 
     return Processed(Bridge(model, tokenizer=bridge.tokenizer), summary)
@@ -108,7 +110,9 @@ def _planned_bytes(item: UnreadableWeight, dtype: torch.dtype, operation: str) -
         numel = item.value.numel() if isinstance(item.value, torch.Tensor) else 0
         return numel * dtype.itemsize
     module: Any = item.module
-    if not hasattr(module, "in_features") or hasattr(module, "num_experts"):
+    if is_experts_module(module):
+        return float_experts_bytes(module, dtype)
+    if not hasattr(module, "in_features"):
         raise NotImplementedError(
             f"qlens cannot {operation}: {item.name} ({type(module).__name__}) is quantized "
             "and qlens does not rebuild a float module of this kind; dequantize its weights with "
@@ -118,12 +122,30 @@ def _planned_bytes(item: UnreadableWeight, dtype: torch.dtype, operation: str) -
 
 
 def _materialize(
-    model: nn.Module, item: UnreadableWeight, dtype: torch.dtype, operation: str, summary: Any
+    model: nn.Module,
+    item: UnreadableWeight,
+    dtype: torch.dtype,
+    operation: str,
+    summary: Any,
+    adapter: Any,
 ) -> None:
     if not item.is_module:
         value = read_tensor(item.value, operation=operation, owner=model, dequantize=True)
         replace_tensor(item.module, item.name.rsplit(".", 1)[-1], value.to(dtype))
         summary.materialized[item.name] = value.numel() * dtype.itemsize
+        return
+    parent_name, _, child = item.name.rpartition(".")
+    if is_experts_module(item.module):
+        experts = float_experts(
+            model,
+            item.name,
+            dtype=dtype,
+            operation=operation,
+            layout=adapter.experts_gate_up_layout or "halves",
+            stored_in_out=adapter.experts_weights_in_out,
+        )
+        setattr(model.get_submodule(parent_name), child, experts)
+        summary.materialized[item.name] = float_experts_bytes(item.module, dtype)
         return
     weight = read_weight(item.module, operation=operation, owner=model, dequantize=True)
     bias = read_optional(item.module, "bias", operation=operation, owner=model)
@@ -132,6 +154,5 @@ def _materialize(
     write_weight(linear, weight.to(dtype))
     if bias is not None:
         write_tensor(linear, "bias", bias.to(dtype))
-    parent_name, _, child = item.name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, linear)
     summary.materialized[item.name] = weight.numel() * dtype.itemsize

@@ -4,8 +4,9 @@ Each function returns a :class:`~qlens.weights.materialize.Processed` holding a 
 processed deep copy of the model (``inplace=True`` modifies the given model instead) and a
 summary. Logits are unchanged up to float rounding, except ``center_unembed`` which shifts every
 position's logits by a constant (log-probabilities are unchanged). Quantized weights are refused
-unless ``dequantize=True``; then they are materialized in float and the summary (also logged)
-lists them with their memory. Hook names are unchanged and still fire.
+unless ``dequantize=True``; then they are materialized in float (quantized linear layers as
+``nn.Linear``, quantized experts as the family's float HF experts class) and the summary (also
+logged) lists them with their memory. Hook names are unchanged and still fire.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def process_weights(
     """Apply the TransformerLens processing steps to a copy of the model behind ``bridge``.
 
     ``center_writing_weights=None`` centers only LayerNorm models (under RMSNorm centering
-    would change the outputs). ``fold_value_biases`` is skipped for attention with sinks.
+    would change the outputs). ``fold_value_biases`` is skipped for attention with sinks (GPT-OSS):
+    there ``b_V`` contributes ``(1 - p_sink) * b_V @ W_O``, which no constant bias reproduces.
     """
     operation = "process the model's weights"
     result = prepare(bridge, operation, dequantize=dequantize, inplace=inplace)
@@ -97,11 +99,18 @@ def center_unembed(bridge: Any, *, dequantize: bool = False, inplace: bool = Fal
 
 
 def fold_value_biases(bridge: Any, *, dequantize: bool = False, inplace: bool = False) -> Processed:
-    """Move ``b_V`` into ``b_O`` (``b_O += sum_h b_V[h] @ W_O[h]``): attention rows sum to 1."""
+    """Move ``b_V`` into ``b_O`` (``b_O += sum_h b_V[h] @ W_O[h]``): attention rows sum to 1.
+
+    Refused for attention with sinks, whose rows sum to ``1 - p_sink`` (input-dependent).
+    """
     if bridge.cfg.attention_sinks:
         raise ValueError(
             "fold_value_biases needs attention patterns whose rows sum to 1; this model's "
-            "attention sinks take part of the softmax mass, so the fold would change its outputs"
+            "attention sinks take part of the softmax mass, so the value bias contributes "
+            "(1 - p_sink) * b_V @ W_O at each position, with p_sink the sink's probability "
+            "there: it depends on the input and cannot be folded into the constant output bias "
+            "b_O. The other processing steps (fold_layer_norm, center_unembed) apply; "
+            "process_weights skips this one on such models"
         )
     result = prepare(bridge, "fold value biases", dequantize=dequantize, inplace=inplace)
     _fold_value_biases(result.bridge)

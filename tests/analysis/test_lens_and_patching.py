@@ -91,3 +91,63 @@ def test_logit_diff_metric():
     logits[:, -1, 4] = torch.tensor([3.0, 5.0])
     metric = analysis.logit_diff_metric(4, 1)
     torch.testing.assert_close(metric(logits), torch.tensor(4.0))
+
+
+def _one_forward_per_location(bridge, name, patch_rows):
+    """The corrupted run's metric with ``patch_rows(x, clean)`` applied in one forward."""
+    with torch.no_grad():
+        _, clean = bridge.run_with_cache(CLEAN, names_filter=[name])
+
+        def patch(x, hook):
+            x = x.clone()
+            patch_rows(x, clean[name])
+            return x
+
+        return _metric(bridge.run_with_hooks(CORRUPTED, fwd_hooks=[(name, patch)]))
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "mlp_out"])
+def test_batched_position_sweeps_equal_one_forward_per_location(bridge, site):
+    sweeps = [
+        analysis.patch_by_position(bridge, CLEAN, CORRUPTED, _metric, site, batch_size=size)
+        for size in (1, 5, 64)  # one per forward, uneven chunks, everything in one forward
+    ]
+    for sweep in sweeps[1:]:
+        assert torch.equal(sweep.values, sweeps[0].values)
+    for layer, pos in [(0, 2), (1, 3), (1, 5)]:
+
+        def at_pos(x, clean, pos=pos):
+            x[:, pos] = clean[:, pos]
+
+        expected = _one_forward_per_location(bridge, f"blocks.{layer}.hook_{site}", at_pos)
+        assert float(sweeps[0].values[layer, pos]) == float(expected)
+
+
+def test_batched_head_sweeps_equal_one_forward_per_location(bridge):
+    sweeps = [
+        analysis.patch_heads(bridge, CLEAN, CORRUPTED, _metric, batch_size=size)
+        for size in (1, 3, 64)
+    ]
+    for sweep in sweeps[1:]:
+        assert torch.equal(sweep.values, sweeps[0].values)
+
+    def head_1(x, clean):
+        x[..., 1, :] = clean[..., 1, :]
+
+    expected = _one_forward_per_location(bridge, "blocks.0.attn.hook_z", head_1)
+    assert float(sweeps[0].values[0, 1]) == float(expected)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        analysis.patch_heads(bridge, CLEAN, CORRUPTED, _metric, batch_size=0)
+
+
+def test_batched_sweeps_patch_each_row_of_a_batch(bridge):
+    clean = torch.cat([CLEAN, CLEAN.flip(-1)])
+    corrupted = clean.clone()
+    corrupted[:, 2] = torch.tensor([600, 700])
+    metric = analysis.logit_diff_metric(torch.tensor([5, 6]), torch.tensor([9, 8]))
+    one = analysis.patch_by_position(bridge, clean, corrupted, metric, batch_size=1)
+    batched = analysis.patch_by_position(bridge, clean, corrupted, metric, batch_size=4)
+    assert torch.equal(batched.values, one.values)
+    with torch.no_grad():
+        restored = metric(bridge(clean))  # patching layer 0's input at the changed token
+    torch.testing.assert_close(batched.values[0, 2], restored.float(), atol=1e-5, rtol=0)

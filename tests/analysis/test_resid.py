@@ -3,6 +3,8 @@ the model's logit differences."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from analysis_models import ARCHS, perturbed_model
@@ -56,11 +58,12 @@ def test_head_results_plus_bias_are_the_attention_output(arch):
         torch.testing.assert_close(summed + A.b_O(bridge, layer), expected, **TOL)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in SANDWICH])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_full_decomposition_sums_to_the_residual(arch):
     bridge, cache, _, _ = run(arch)
+    tol = dict(atol=1e-5, rtol=0) if arch in SANDWICH else TOL
     full = analysis.get_full_resid_decomposition(bridge, cache)
-    torch.testing.assert_close(full.values.sum(0), _final_resid(bridge, cache), **TOL)
+    torch.testing.assert_close(full.values.sum(0), _final_resid(bridge, cache), **tol)
     assert full.labels["component"][-1] == "bias"
     if bridge.cfg.n_experts:
         with pytest.raises(ValueError, match="expand_neurons is not defined for the mixture"):
@@ -68,14 +71,58 @@ def test_full_decomposition_sums_to_the_residual(arch):
         return
     neurons = analysis.get_full_resid_decomposition(bridge, cache, expand_neurons=True)
     assert "L1N3" in neurons.labels["component"]
-    torch.testing.assert_close(neurons.values.sum(0), _final_resid(bridge, cache), **TOL)
+    torch.testing.assert_close(neurons.values.sum(0), _final_resid(bridge, cache), **tol)
 
 
 @pytest.mark.parametrize("arch", SANDWICH)
-def test_full_decomposition_refuses_sandwich_norms(arch):
+def test_sandwich_heads_go_through_the_post_norm_with_the_cached_scale(arch):
     bridge, cache, _, _ = run(arch)
-    with pytest.raises(ValueError, match="sandwich norms"):
-        analysis.get_full_resid_decomposition(bridge, cache)
+    raw = analysis.stack_head_results(bridge, cache, 1).values  # layer 0, before the post norm
+    normed = analysis.stack_head_results(bridge, cache, 1, apply_post_norm=True).values
+    post = bridge.model.model.layers[0].post_attention_layernorm
+    factor = (1 + post.weight.detach()) / cache["blocks.0.ln1_post.hook_scale"]
+    torch.testing.assert_close(normed, raw * factor, atol=1e-6, rtol=1e-6)
+    # The post norm of the summed heads is the attention's contribution to the residual.
+    torch.testing.assert_close(
+        normed.sum(0), cache["blocks.0.ln1_post.hook_normalized"], atol=1e-5, rtol=0
+    )
+    without_scale = {k: v for k, v in cache.items() if "ln1_post.hook_scale" not in k}
+    with pytest.raises(ValueError, match=r"needs blocks\.0\.ln1_post\.hook_scale in the cache"):
+        analysis.get_full_resid_decomposition(bridge, without_scale)
+
+
+@pytest.mark.parametrize("arch", SANDWICH)
+def test_sandwich_logit_attrs_reproduce_the_raw_logit_differences(arch):
+    bridge, cache, tokens, logits = run(arch)
+    decomposition = analysis.get_full_resid_decomposition(bridge, cache, expand_neurons=True)
+    normalized = analysis.apply_ln_to_stack(bridge, cache, decomposition.values)
+    correct, wrong = tokens.roll(-1, dims=1), torch.full_like(tokens, 7)
+    attrs = analysis.logit_attrs(bridge, normalized, correct, wrong, allow_softcap=True)
+    w_u = A.W_U(bridge)
+    raw = cache["ln_final.hook_normalized"] @ w_u  # logits before any softcap
+    expected = raw.gather(-1, correct[..., None])[..., 0] - raw[..., 7]
+    torch.testing.assert_close(attrs.sum(0), expected, atol=2e-4, rtol=1e-4)
+    softcap = bridge.cfg.final_logit_softcapping
+    if softcap is None:  # Gemma 3: the raw logits are the model's logits
+        model_diff = logits.gather(-1, correct[..., None])[..., 0] - logits[..., 7]
+        torch.testing.assert_close(attrs.sum(0), model_diff, atol=2e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(softcap * torch.tanh(raw / softcap), logits, **TOL)
+
+
+def test_logit_attrs_warn_on_softcapped_models():
+    bridge, cache, tokens, _ = run("gemma2")
+    stack = analysis.apply_ln_to_stack(
+        bridge, cache, analysis.decompose_resid(bridge, cache).values
+    )
+    with pytest.warns(UserWarning, match=r"softcaps its final logits \(logits = 30\.0 \* tanh"):
+        analysis.logit_attrs(bridge, stack, tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analysis.logit_attrs(bridge, stack, tokens, allow_softcap=True)
+        gemma3, cache3, tokens3, _ = run("gemma3_text")  # no softcap: no warning
+        stack3 = analysis.decompose_resid(gemma3, cache3).values
+        analysis.logit_attrs(gemma3, stack3, tokens3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gpt_neox", "qwen3_moe"])
@@ -88,6 +135,9 @@ def test_logit_attrs_reproduce_logit_differences(arch):
     torch.testing.assert_close(
         normalized.sum(0) + ln_bias, cache["ln_final.hook_normalized"], **TOL
     )
+    with_bias = analysis.apply_ln_to_stack(bridge, cache, decomposition.values, bias_component=-1)
+    torch.testing.assert_close(with_bias.sum(0), cache["ln_final.hook_normalized"], **TOL)
+    torch.testing.assert_close(with_bias[:-1], normalized[:-1], atol=0, rtol=0)
     correct = tokens.roll(-1, dims=1)  # any per-position token ids
     wrong = torch.full_like(tokens, 7)
     attrs = analysis.logit_attrs(bridge, normalized, correct, wrong)
@@ -96,3 +146,16 @@ def test_logit_attrs_reproduce_logit_differences(arch):
     constant = (w_u.T[correct] - w_u.T[wrong]) @ ln_bias + b_u[correct] - b_u[wrong]
     expected = logits.gather(-1, correct[..., None])[..., 0] - logits[..., 7]
     torch.testing.assert_close(attrs.sum(0) + constant, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_quantized_sandwich_decomposition_reads_weights_through_the_opt_in():
+    from qlens.quant.model_quantize import quantize
+
+    bridge = quantize(Bridge(perturbed_model("gemma2")), "int8", group_size=32)
+    _, _, tokens, _ = run("gemma2")
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(tokens)
+    with pytest.raises(NotImplementedError, match=r"quantization: qlens int8 payload"):
+        analysis.get_full_resid_decomposition(bridge, cache)
+    full = analysis.get_full_resid_decomposition(bridge, cache, dequantize=True)
+    torch.testing.assert_close(full.values.sum(0), _final_resid(bridge, cache), atol=1e-5, rtol=0)

@@ -28,6 +28,9 @@ ALLOWED_FILES = {
     # Its write side: writes processed weights back and scans every parameter for unreadable
     # ones (to refuse or materialize them); it reads no values itself.
     "weights/storage.py": "writes processed weights and scans every parameter",
+    # The weight audit of `qlens report`: lists every parameter's shape, dtype and stored bytes
+    # (metadata only, never values) next to the guard's verdict on it.
+    "report/audit.py": "lists every parameter's shape, dtype and size",
 }
 # Attribute reads, matched with string literals blanked out (adapter tables name module paths
 # such as "mlp.down_proj" in strings), and getattr by name, matched on the code as written.

@@ -78,6 +78,22 @@ def test_invalid_processing_is_refused():
         processing.fold_value_biases(Bridge(tiny_model("gpt_oss")))
 
 
+def test_value_biases_of_attention_with_sinks_are_not_foldable():
+    bridge = Bridge(perturbed_model("gpt_oss"))
+    message = r"contributes \(1 - p_sink\) \* b_V @ W_O at each position"
+    with pytest.raises(ValueError, match=message):
+        processing.fold_value_biases(bridge)
+    forced = processing.fold_layer_norm(bridge).bridge  # a processable copy
+    reference = _logits(forced)
+    processing._fold_value_biases(forced)  # what the refusal prevents
+    assert not torch.allclose(_logits(forced), reference, atol=1e-3)
+    processed = processing.process_weights(bridge)  # every other step applies
+    assert processed.summary.steps == ["fold_layer_norm", "center_unembed"]
+    torch.testing.assert_close(
+        _logits(processed.bridge).log_softmax(-1), _logits(bridge).log_softmax(-1), **TOL
+    )
+
+
 def test_inplace_processes_the_given_model():
     bridge = Bridge(perturbed_model("llama"))
     result = processing.fold_layer_norm(bridge, inplace=True)
@@ -120,11 +136,59 @@ def test_scans_three_dimensional_experts():
         A.W_in(bridge, 1)
 
 
-def test_quantized_experts_are_refused_even_when_opted_in():
+@pytest.mark.parametrize(
+    ("arch", "scheme"), [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4")]
+)
+def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, scheme):
     from qlens.quant.model_quantize import quantize
+    from qlens.quant.modules import QuantExperts
 
-    quantized = quantize(Bridge(tiny_model("mixtral")), "int8", group_size=32)
-    with pytest.raises(NotImplementedError, match=r"\(quantization: qlens int8 payload"):
+    float_model = perturbed_model(arch)
+    options = {"group_size": 32} if scheme == "int8" else {}
+    quantized = quantize(Bridge(float_model), scheme, **options)
+    with pytest.raises(NotImplementedError, match=rf"\(quantization: qlens {scheme} payload"):
         processing.fold_layer_norm(quantized)
-    with pytest.raises(NotImplementedError, match="does not rebuild a float module of this kind"):
-        processing.fold_layer_norm(quantized, dequantize=True)
+    tokens = TOKENS % quantized.cfg.d_vocab
+    reference = _logits(quantized, tokens)
+    result = processing.process_weights(quantized, dequantize=True)
+    logits = _logits(result.bridge, tokens)
+    torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), **TOL)
+    config = float_model.config
+    n_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    d_mlp = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    expected_bytes = 3 * n_experts * config.hidden_size * d_mlp * 4  # gate, up, down in fp32
+    for layer in range(config.num_hidden_layers):
+        name = f"model.layers.{layer}.mlp.experts"
+        assert result.summary.materialized[name] == expected_bytes, name
+        rebuilt = result.bridge.model.get_submodule(name)
+        assert type(rebuilt) is type(float_model.get_submodule(name))  # the HF float class
+        assert isinstance(quantized.model.get_submodule(name), QuantExperts)  # original kept
+    assert f"{name}: {expected_bytes / 2**20:.3f} MiB" in str(result.summary)
+    steps = ["fold_layer_norm", "center_unembed"]
+    assert result.summary.steps == steps + ([] if arch == "gpt_oss" else ["fold_value_biases"])
+
+
+def test_opt_in_rebuilds_transformers_fp8_experts_as_float():
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    model = perturbed_model("mixtral")
+    float_class = type(model.model.layers[0].mlp.experts)
+    experts = FP8Experts(model.config, block_size=(16, 16))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
+            weight.copy_((torch.randn(weight.shape, generator=generator) * 60).to(weight.dtype))
+            scale.copy_(torch.rand(scale.shape, generator=generator) * 1e-3 + 1e-4)
+    model.model.layers[0].mlp.experts = experts
+    bridge = Bridge(model)  # runs the FP8 experts through qlens on this CPU
+    reference = _logits(bridge)
+    result = processing.process_weights(bridge, dequantize=True)
+    torch.testing.assert_close(
+        _logits(result.bridge).log_softmax(-1), reference.log_softmax(-1), **TOL
+    )
+    name = "model.layers.0.mlp.experts"
+    assert type(result.bridge.model.get_submodule(name)) is float_class
+    config = model.config
+    expected = 3 * config.num_local_experts * config.hidden_size * config.intermediate_size * 4
+    assert result.summary.materialized == {name: expected}

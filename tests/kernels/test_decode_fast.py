@@ -1,0 +1,169 @@
+"""The packed 4-bit GEMV: its integer decodes, the activation regrouping and the kernel itself
+(Triton interpreter) against the codecs' dequantization."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import quantized, rel_err
+
+from qlens.kernels import LinearConfig, quantized_linear
+from qlens.kernels.decode_fast import (
+    E2M1_FP16_FACTOR,
+    E2M1_MAGNITUDE_MASK,
+    E2M1_PAIR_SHIFTS,
+    E2M1_SIGN_MASK,
+    INT4_MAGIC_BITS,
+    e2m1_word_asm,
+)
+from qlens.kernels.gemv import permute_codes, word_view
+from qlens.kernels.weights import kernel_weight
+from qlens.quant.codecs.elements import decode_e2m1
+from qlens.quant.dequantize import dequantize
+
+TOLERANCE = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-6}
+FAMILIES = (
+    ("int4", {"group_size": 32}),
+    ("int4", {"group_size": 128, "asymmetric": True, "scale_dtype": "bf16"}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+)
+WORD_MASK = 0xFFFFFFFF
+
+
+def _words_with_every_code() -> torch.Tensor:
+    """int64 words (as unsigned 32-bit values) putting each of the 16 codes at each position."""
+    codes = torch.arange(16, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for j in range(8):
+        other = torch.randint(0, 1 << 32, (16,), generator=gen, dtype=torch.int64)
+        rows.append((other & ~(0xF << (4 * j)) & WORD_MASK) | (codes << (4 * j)))
+    return torch.cat(rows)
+
+
+def _shift(w: torch.Tensor, amount: int) -> torch.Tensor:
+    return ((w << amount) if amount >= 0 else (w >> -amount)) & WORD_MASK
+
+
+def _fp16_bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int16).view(torch.float16).float()
+
+
+def test_e2m1_word_decode_emulated_bit_for_bit():
+    """The asm's integer ops, run in torch, give every code's E2M1 value at every position."""
+    words = _words_with_every_code()
+    for p, (mag_shift, sign_shift) in enumerate(E2M1_PAIR_SHIFTS):
+        pair = (_shift(words, mag_shift) & E2M1_MAGNITUDE_MASK) | (
+            _shift(words, sign_shift) & E2M1_SIGN_MASK
+        )
+        for half, j in ((0, p), (1, p + 4)):
+            bits = (pair >> (16 * half)) & 0xFFFF
+            bits = torch.where(bits >= 0x8000, bits - 0x10000, bits)  # as signed int16
+            got = _fp16_bits_to_f32(bits) * E2M1_FP16_FACTOR
+            want = decode_e2m1(((words >> (4 * j)) & 0xF).to(torch.uint8))
+            assert torch.equal(got, want), (p, j)
+
+
+def test_e2m1_asm_is_generated_from_the_emulated_constants():
+    asm = e2m1_word_asm()
+    shifts = [int(a) * (-1 if op == "shr.u32" else 1) for op, a in
+              re.findall(r"(shl\.b32|shr\.u32) [ab], \$8, (\d+);", asm)]  # fmt: skip
+    assert shifts == [s for pair in E2M1_PAIR_SHIFTS for s in pair]
+    assert asm.count(f"{E2M1_MAGNITUDE_MASK:#010x}") == 4
+    assert asm.count(f"{E2M1_SIGN_MASK:#010x}") == 4
+    outputs = sorted(int(d) for d in re.findall(r"cvt\.f32\.f16 \$(\d),", asm))
+    assert outputs == list(range(8))
+
+
+def test_int4_magic_decode_emulated_exactly():
+    """``(marked & (magic | 0xF << 4j')) as float * 16**-j' - (2**(23 - 4j') + zero)``."""
+    words = _words_with_every_code()
+    marked = (words | INT4_MAGIC_BITS, (words >> 16) | INT4_MAGIC_BITS)
+    for zero in (8.0, 0.0, 15.0):
+        for j in range(8):
+            jp = j % 4
+            field = marked[j // 4] & (INT4_MAGIC_BITS | (0xF << (4 * jp)))
+            value = field.to(torch.int32).view(torch.float32)
+            # float64 holds the FMA's exact product and sum; the result must need no rounding
+            got = value.double() * 16.0**-jp - (2.0 ** (23 - 4 * jp) + zero)
+            want = ((words >> (4 * j)) & 0xF).double() - zero
+            assert torch.equal(got, want), (zero, j)
+            assert torch.equal(got.float().double(), got)
+
+
+def test_permute_codes_layout():
+    x = torch.randn(3, 77)
+    out = permute_codes(x, for_dot=False)
+    assert out.shape == (3, 3, 8, 4) and out.dtype == torch.float32
+    padded = F.pad(x, (0, 96 - 77))
+    for q, j, r in ((0, 0, 0), (1, 5, 3), (2, 7, 1), (2, 4, 2)):
+        assert torch.equal(out[:, q, j, r], padded[:, 8 * (4 * q + r) + j])
+    half = permute_codes(x.bfloat16(), for_dot=True)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), permute_codes(
+        x.bfloat16(), for_dot=False))  # fmt: skip
+
+
+def _reference(x, payload, bias=None):
+    weight = dequantize(payload, torch.float64)
+    return F.linear(x.double(), weight, None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+def test_packed_gemv_matches_reference(case):
+    # K = 328: a full 256-wide tile plus a ragged tail; N = 40: a partial N tile.
+    payload = quantized(40, 328, case)
+    assert word_view(kernel_weight(payload)) is not None  # the word-wise kernel serves it
+    bias = torch.randn(40)
+    for m, split in ((1, 1), (5, 2), (17, 1)):
+        x = torch.randn(m, 328)
+        cfg = LinearConfig("gemv", 16, 32, 256, split_k=split)
+        out = quantized_linear(x, payload, bias, config=cfg)
+        assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_packed_gemv_half_activations(dtype):
+    payload = quantized(32, 128, ("nvfp4", {}))
+    for m in (2, 16):  # FMAs, tensor-core dots
+        x = torch.randn(m, 128).to(dtype)
+        out = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 32, 128))
+        assert out.dtype == dtype
+        assert rel_err(out, _reference(x, payload)) < TOLERANCE[dtype], m
+
+
+def test_nvfp4_divide_convention_and_odd_int4_width():
+    from qlens.quant.codecs.nvfp4 import pack_nvfp4
+
+    base = quantized(24, 96, ("nvfp4", {}))
+    divide = pack_nvfp4(
+        base.data, base.scales, 2.5 / base.global_scale, (24, 96), global_convention="divide"
+    )
+    int4 = quantized(24, 95, ("int4", {"group_size": 32}))  # 48 bytes a row: whole words
+    for payload, k in ((divide, 96), (int4, 95)):
+        assert word_view(kernel_weight(payload)) is not None
+        x = torch.randn(3, k)
+        out = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64, split_k=2))
+        assert rel_err(out, _reference(x, payload)) < TOLERANCE[torch.float32]
+
+
+def test_rows_that_are_not_whole_words_take_the_byte_kernel():
+    payload = quantized(16, 90, ("int4", {"group_size": 32}))  # 45 bytes a row
+    assert word_view(kernel_weight(payload)) is None
+    x = torch.randn(2, 90)
+    out = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
+    assert rel_err(out, _reference(x, payload)) < TOLERANCE[torch.float32]
+
+
+def test_word_kernel_is_opt_in_outside_the_interpreter(monkeypatch):
+    import qlens.kernels.gemv as gemv
+
+    payload = quantized(40, 328, FAMILIES[0])
+    monkeypatch.setattr(gemv, "interpreting", lambda: False)
+    monkeypatch.delenv(gemv.WORD_GEMV_ENV, raising=False)
+    assert word_view(kernel_weight(payload)) is None  # the measured byte kernel by default
+    monkeypatch.setenv(gemv.WORD_GEMV_ENV, "1")
+    assert word_view(kernel_weight(payload)) is not None
