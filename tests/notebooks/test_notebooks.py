@@ -1,0 +1,48 @@
+"""The notebooks are stored without outputs and run headless, start to finish, without error."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+INLINE_PNG = re.compile(r'<img src="data:image/png;base64,[A-Za-z0-9+/=]{100,}')
+
+
+def test_every_notebook_is_present():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb",
+        "02_quantized_tour.ipynb",
+        "03_induction_heads.ipynb",
+        "04_adopt_checkpoint.ipynb",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_without_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{path.name}: a cell has stored outputs; clear them"
+            assert cell.execution_count is None, f"{path.name}: clear the execution counts"
+    assert "widgets" not in notebook.metadata, f"{path.name}: remove the stored widget state"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_runs_headless(path, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    )
+    client.execute()  # raises CellExecutionError on the first failing cell
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    # Every viewer also renders statically: an inline PNG next to the widget view.
+    html = [o.data.get("text/html", "") for o in outputs if "data" in o]
+    assert any(INLINE_PNG.search(h) for h in html) or path.stem == "04_adopt_checkpoint"
