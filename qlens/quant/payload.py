@@ -77,6 +77,11 @@ class QuantPayload:
             extras={k: v.to(device) for k, v in self.extras.items()},
         )
 
+    def _repr_html_(self) -> str:
+        from qlens.viz.repr import render_payload_html
+
+        return render_payload_html(self)
+
     def __repr__(self) -> str:
         parts = [f"format={self.format.name}", f"shape={list(self.shape)}"]
         for name, t in self.tensors().items():
