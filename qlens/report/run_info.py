@@ -1,4 +1,4 @@
-"""Report section: which model ran on which tokens."""
+"""Report section: which model ran on which tokens, and which versions of it are compared."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ def section(context: ReportContext) -> Section:
         "device": str(parameter.device),
         "prompt": context.prompt,
         "tokens": str_tokens,
+        "versions": [
+            {"label": v.label, "role": v.role, "scheme": v.scheme} for v in context.variants
+        ],
     }
     text = "\n".join(
         [
             f"model: {data['model']} ({data['architecture']}, {data['n_layers']} layers, "
             f"{data['dtype']} on {data['device']})",
             f"prompt: {context.prompt!r} -> {len(str_tokens)} tokens {str_tokens!r}",
+            "versions: " + ", ".join(f"{v.label} ({v.role})" for v in context.variants),
         ]
     )
     return Section("run", "Run", data, text)
