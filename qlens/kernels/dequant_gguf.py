@@ -21,8 +21,17 @@ from torch import Tensor
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
-from qlens.quant.codecs.checks import require_dtype, require_same_device, require_shape
-from qlens.quant.codecs.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, GgmlType, gguf_format, row_bytes
+from qlens.quant.codecs.gguf import (
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    GgmlType,
+    gguf_format,
+    gguf_input_permutation,
+    validate_gguf_payload,
+)
 from qlens.quant.payload import QuantPayload
 
 _KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -112,34 +121,15 @@ def _store(out_ptr, perm_ptr, rows_out, cols, K, w, mask, HAS_PERM: tl.constexpr
     tl.store(out_ptr + rows_out + cols, out, mask=mask)
 
 
-def _ggml_type(payload: QuantPayload) -> GgmlType:
-    """The payload's GGML type, checked against ``layout["ggml_type"]``."""
-    name = payload.format.name
-    if name not in _BY_NAME:
+def _kernel_ggml_type(payload: QuantPayload) -> GgmlType:
+    """The payload's GGML type if this kernel reads it; the payload is validated by the codec."""
+    if payload.format.name not in _BY_NAME:
         raise ValueError(
-            f"the GGUF Triton dequantize kernel reads {list(GGUF_KERNEL_FORMATS)}, not {name!r}; "
-            "use qlens.dequantize(payload, dtype) (torch) for other GGML types"
+            f"the GGUF Triton dequantize kernel reads {list(GGUF_KERNEL_FORMATS)}, not "
+            f"{payload.format.name!r}; use qlens.dequantize(payload, dtype) (torch) for other "
+            "GGML types"
         )
-    ggml_type = _BY_NAME[name]
-    layout_id = payload.layout.get("ggml_type", ggml_type.type_id)
-    if layout_id != ggml_type.type_id:
-        raise ValueError(
-            f"payload format {name} is GGML type {ggml_type.type_id} but layout['ggml_type'] "
-            f"says {layout_id}"
-        )
-    return ggml_type
-
-
-def _permutation(payload: QuantPayload, k: int, check_values: bool) -> Tensor | None:
-    """``extras["input_permutation"]``: int64 ``[k]``, and (if checked) a permutation."""
-    perm = payload.extras.get("input_permutation")
-    if perm is None:
-        return None
-    require_dtype(perm, "extra.input_permutation", (torch.int64,), payload)
-    require_shape(perm, "extra.input_permutation", (k,), payload)
-    if check_values and not torch.equal(perm.sort().values, torch.arange(k, device=perm.device)):
-        raise ValueError("extras['input_permutation'] is not a permutation of 0..K-1")
-    return perm.contiguous()
+    return validate_gguf_payload(payload)
 
 
 def dequantize_gguf_triton(
@@ -151,27 +141,16 @@ def dequantize_gguf_triton(
     ``check_values`` verifies that ``extras["input_permutation"]`` is a permutation (one device
     sync); ``False`` trusts it (no sync).
     """
-    ggml_type = _ggml_type(payload)
+    ggml_type = _kernel_ggml_type(payload)
     if dtype not in _OUT_DTYPES:
         raise ValueError(
             f"dequantize_gguf_triton outputs {list(_OUT_DTYPES)}, not {dtype}; use "
             "qlens.dequantize for other dtypes"
         )
     shape = tuple(int(s) for s in payload.shape)
-    if not shape:
-        raise ValueError("a GGUF payload needs a shape of at least one dimension [..., cols]")
     require_kernel_device(payload.data.device)
-    require_dtype(payload.data, "data", (torch.uint8,), payload)
-    require_shape(
-        payload.data,
-        "data",
-        (*shape[:-1], row_bytes(ggml_type, shape[-1])),
-        payload,
-        fix=f"GGML rows hold {ggml_type.type_size}-byte blocks of {ggml_type.block_size} weights",
-    )
-    require_same_device(payload)
     k = shape[-1]
-    perm = _permutation(payload, k, check_values)
+    perm = gguf_input_permutation(payload, check_values=check_values)
     out = torch.empty(shape, dtype=dtype, device=payload.data.device)
     if out.numel() == 0:
         return out

@@ -235,12 +235,11 @@ def dequantize_gguf_rows(data: Tensor, ggml_type: GgmlType) -> Float[Tensor, "*r
     return values.reshape(*data.shape[:-1], cols)
 
 
-@register_dequantizer(*(gguf_format(t).name for t in GGML_TYPES.values()))
-def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, "..."]:
-    """Reconstruct a GGUF-packed weight (float32 math as in gguf-py, then cast to ``dtype``)."""
-    if not dtype.is_floating_point:
-        raise ValueError(f"GGUF weights dequantize to a float dtype, not {dtype}")
+def validate_gguf_payload(payload: QuantPayload) -> GgmlType:
+    """The payload's GGML type, after checking its layout flag, data dtype, shape and device."""
     by_name = {gguf_format(t).name: t for t in GGML_TYPES.values()}
+    if payload.format.name not in by_name:
+        raise ValueError(f"{payload.format.name!r} is not a GGUF format; known: {sorted(by_name)}")
     ggml_type = by_name[payload.format.name]
     layout_id = payload.layout.get("ggml_type", ggml_type.type_id)
     if layout_id != ggml_type.type_id:
@@ -248,7 +247,9 @@ def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, 
             f"payload format {payload.format.name} is GGML type {ggml_type.type_id} but "
             f"layout['ggml_type'] says {layout_id}"
         )
-    shape = tuple(payload.shape)
+    shape = tuple(int(s) for s in payload.shape)
+    if not shape:
+        raise ValueError("a GGUF payload needs a shape of at least one dimension [..., cols]")
     require_dtype(payload.data, "data", (torch.uint8,), payload)
     require_shape(
         payload.data,
@@ -258,13 +259,31 @@ def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, 
         fix=f"GGML rows hold {ggml_type.type_size}-byte blocks of {ggml_type.block_size} weights",
     )
     require_same_device(payload)
-    weight = dequantize_gguf_rows(payload.data, ggml_type)
+    return ggml_type
+
+
+def gguf_input_permutation(payload: QuantPayload, *, check_values: bool) -> Tensor | None:
+    """``extras["input_permutation"]`` (int64 ``[K]``, checked to be a permutation when asked)."""
     perm = payload.extras.get("input_permutation")
+    if perm is None:
+        return None
+    k = int(payload.shape[-1])
+    require_dtype(perm, "extra.input_permutation", (torch.int64,), payload)
+    require_shape(perm, "extra.input_permutation", (k,), payload)
+    if check_values and not torch.equal(perm.sort().values, torch.arange(k, device=perm.device)):
+        raise ValueError("extras['input_permutation'] is not a permutation of 0..K-1")
+    return perm.contiguous()
+
+
+@register_dequantizer(*(gguf_format(t).name for t in GGML_TYPES.values()))
+def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, "..."]:
+    """Reconstruct a GGUF-packed weight (float32 math as in gguf-py, then cast to ``dtype``)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"GGUF weights dequantize to a float dtype, not {dtype}")
+    ggml_type = validate_gguf_payload(payload)
+    weight = dequantize_gguf_rows(payload.data, ggml_type)
+    perm = gguf_input_permutation(payload, check_values=True)
     if perm is not None:
-        require_dtype(perm, "extra.input_permutation", (torch.int64,), payload)
-        require_shape(perm, "extra.input_permutation", (shape[-1],), payload)
-        if not torch.equal(perm.sort().values, torch.arange(shape[-1], device=perm.device)):
-            raise ValueError("extras['input_permutation'] is not a permutation of 0..K-1")
         permuted = torch.empty_like(weight)
         permuted[..., perm] = weight
         weight = permuted
