@@ -1,12 +1,13 @@
 """The qlens attention function, registered with transformers' attention interface.
 
 While a bridge has attention-internal hooks active, the model's ``config._attn_implementation``
-is switched to ``"qlens"``. For each attention module, the function either calls the model's
-original attention function (SDPA for most families, HF eager where the family needs it) when
-no internal hook of that layer is active, or computes attention eagerly, firing
-``hook_q/k/v`` ``[batch pos head d_head]`` (k and v with the stored number of KV heads; with a
-KV cache they hold every position attention reads), ``hook_attn_scores`` and ``hook_pattern``
-``[batch head q_pos k_pos]`` and ``hook_z`` ``[batch pos head d_head]``.
+is switched to ``"qlens"``. For each attention module, the function calls the model's
+original attention function (SDPA for most families, HF eager where the family needs it) and
+fires ``hook_q/k/v`` ``[batch pos head d_head]`` on its inputs (k and v with the stored number
+of KV heads; with a KV cache they hold every position attention reads) and ``hook_z``
+``[batch pos head d_head]`` on its output. Only ``hook_attn_scores`` and ``hook_pattern``
+``[batch head q_pos k_pos]`` (or soft-capping / sinks, which SDPA cannot apply) make it compute
+the scores explicitly.
 
 Conventions: scores are scaled (and soft-capped where the family does so) with HF's additive
 mask applied, so masked entries hold the dtype's minimum. With attention sinks (GPT-OSS),
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -73,6 +74,9 @@ def _fire(tap: AttentionTap, name: str, x: Tensor) -> Tensor:
     return point(x) if point is not None and point.is_active else x
 
 
+EXPLICIT_HOOKS = ("hook_attn_scores", "hook_pattern")
+
+
 def _needs_eager(kwargs: dict[str, Any], fn: Callable[..., Any] | None) -> bool:
     has_extras = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
     return has_extras and fn is sdpa_attention_forward
@@ -88,7 +92,11 @@ def qlens_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention with hook points; inputs are ``[batch head pos d_head]`` as HF passes them."""
+    """Attention with hook points; inputs are ``[batch head pos d_head]`` as HF passes them.
+
+    Only ``hook_attn_scores``/``hook_pattern`` (or a family the fast function cannot serve)
+    need explicit scores; ``hook_q/k/v/z`` fire around the fast function otherwise.
+    """
     tap = _TAPS.get(id(module))
     if tap is None:
         raise RuntimeError(
@@ -96,16 +104,42 @@ def qlens_attention_forward(
             "the model's config._attn_implementation is 'qlens' outside a bridge run. "
             "Set it back to 'sdpa' or 'eager'."
         )
-    if tap.fast_fn is not None and not tap.active and not _needs_eager(kwargs, tap.fast_fn):
-        return tap.fast_fn(
+    fast_fn = tap.fast_fn
+    explicit = fast_fn is None or _needs_eager(kwargs, fast_fn)
+    explicit = explicit or any(tap.points[name].is_active for name in EXPLICIT_HOOKS)
+    if not explicit and fast_fn is not None:
+        if not tap.active:
+            return fast_fn(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                dropout=dropout,
+                **kwargs,
+            )
+        query, key, value = _fire_qkv(tap, query, key, value)
+        z, weights = fast_fn(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    return _eager_attention(
+        return _fire(tap, "hook_z", z), weights
+    return _explicit_attention(
         module, tap, query, key, value, attention_mask, scaling, dropout, kwargs
     )
 
 
-def _eager_attention(
+def _fire_qkv(
+    tap: AttentionTap, query: Tensor, key: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fire hook_q/k/v on ``[batch pos head d_head]`` views; return ``[batch head pos d_head]``."""
+    query = _fire(tap, "hook_q", query.transpose(1, 2)).transpose(1, 2)
+    key = _fire(tap, "hook_k", key.transpose(1, 2)).transpose(1, 2)
+    value = _fire(tap, "hook_v", value.transpose(1, 2)).transpose(1, 2)
+    return query, key, value
+
+
+def _explicit_attention(
     module: nn.Module,
     tap: AttentionTap,
     query: Tensor,
@@ -116,47 +150,64 @@ def _eager_attention(
     dropout: float,
     kwargs: dict[str, Any],
 ) -> tuple[Tensor, Tensor]:
-    query = _fire(tap, "hook_q", query.transpose(1, 2)).transpose(1, 2)
-    key = _fire(tap, "hook_k", key.transpose(1, 2)).transpose(1, 2)
-    value = _fire(tap, "hook_v", value.transpose(1, 2)).transpose(1, 2)
-    n_rep = query.shape[1] // key.shape[1]
-    key_states, value_states = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    """Scores, pattern and z with one batched matmul each way per layer.
+
+    GQA is handled without repeating K/V: the queries of the heads that share a KV head are
+    stacked along rows, ``[batch*kv_head, group*q_pos, d_head]``, whose product with that KV
+    head's keys is the ``[batch head q_pos k_pos]`` scores in memory order.
+    """
+    query, key, value = _fire_qkv(tap, query, key, value)
+    batch, n_heads, q_len, d_head = query.shape
+    n_kv, k_len = key.shape[1], key.shape[2]
+    group = n_heads // n_kv
     if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        scaling = d_head**-0.5
+    q_rows = (query * scaling).reshape(batch * n_kv, group * q_len, d_head)
+    keys_t = key.reshape(batch * n_kv, k_len, d_head).transpose(1, 2)
+    scores = torch.bmm(q_rows, keys_t).view(batch, n_heads, q_len, k_len)
     softcap = kwargs.get("softcap")
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = _apply_mask(scores, attention_mask)
+        scores.div_(softcap).tanh_().mul_(softcap)
+    _mask_in_place(scores, attention_mask)
     scores = _fire(tap, "hook_attn_scores", scores)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
-        sink_logits = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
-        combined = torch.cat([scores, sink_logits], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        pattern = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        pattern = _pattern_without_sinks(scores, sinks)
     else:
         pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    pattern = pattern.to(value_states.dtype)
+    pattern = pattern.to(value.dtype)
     if dropout and module.training:
         pattern = nn.functional.dropout(pattern, p=dropout, training=True)
     pattern = _fire(tap, "hook_pattern", pattern)
-    z = torch.matmul(pattern, value_states).transpose(1, 2)
-    z = _fire(tap, "hook_z", z)
-    return z.contiguous(), pattern
+    z_rows = torch.bmm(
+        pattern.reshape(batch * n_kv, group * q_len, k_len),
+        value.reshape(batch * n_kv, k_len, d_head),
+    )
+    z = z_rows.view(batch, n_heads, q_len, d_head).transpose(1, 2).contiguous()
+    return _fire(tap, "hook_z", z), pattern
 
 
-def _apply_mask(scores: Tensor, mask: Tensor | None) -> Tensor:
+def _pattern_without_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
+    """Softmax over the keys and one sink logit per head; the sink's column is dropped."""
+    sink_logits = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+    combined = torch.cat([scores, sink_logits], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+
+
+def _mask_in_place(scores: Tensor, mask: Tensor | None) -> None:
+    """Apply HF's mask to freshly computed scores; masked entries get the dtype's minimum."""
     min_value = torch.finfo(scores.dtype).min
     if mask is None:
         q_len, k_len = scores.shape[-2:]
-        offset = k_len - q_len
-        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(offset)
-        return scores.masked_fill(~allowed, min_value)
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device)
+        scores.masked_fill_(future.triu_(k_len - q_len + 1), min_value)
+        return
     mask = mask[..., : scores.shape[-1]]
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, min_value)
-    return scores + mask
+        scores.masked_fill_(~mask, min_value)
+    else:
+        scores.add_(mask)
 
 
 def register() -> None:

@@ -151,14 +151,17 @@ class NormSite(Site):
     """
 
     def __init__(self, module: nn.Module, prefix: str, rms: bool) -> None:
-        self.module, self.rms = module, rms
+        self.module, self.rms, self.eps = module, rms, norm_eps(module)
         self.names = (f"{prefix}.hook_scale", f"{prefix}.hook_normalized")
 
     def scale(self, x: Tensor) -> Tensor:
-        x = x.float()
-        if not self.rms:
-            x = x - x.mean(-1, keepdim=True)
-        return (x.pow(2).mean(-1, keepdim=True) + norm_eps(self.module)).sqrt()
+        """One reduction over the norm's input, in float32, without a full-size temporary."""
+        if self.rms:
+            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+            mean_square = norm.square_().div_(x.shape[-1])
+        else:
+            mean_square, _ = torch.var_mean(x.float(), dim=-1, keepdim=True, correction=0)
+        return mean_square.add_(self.eps).sqrt_()
 
     def attach(self, points: Points) -> list[RemovableHandle]:
         scale_name, normalized_name = self.names
