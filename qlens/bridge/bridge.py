@@ -123,6 +123,11 @@ class Bridge:
         ]
         self._running = False
 
+    def _repr_html_(self) -> str:
+        from qlens.viz.repr import render_bridge_html
+
+        return render_bridge_html(self)
+
     def __repr__(self) -> str:
         c = self.cfg
         return (

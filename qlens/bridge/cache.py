@@ -10,6 +10,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.formatting import format_bytes
+
 
 class ActivationCache:
     """Cached activations. ``cache[name]``, ``cache["pattern", 3]``, ``cache["scale", 3, "ln2"]``.
@@ -164,7 +166,7 @@ class ActivationCache:
         return sum(v.numel() * v.element_size() for v in self.cache.values())
 
     def __repr__(self) -> str:
-        lines = [f"ActivationCache({len(self.cache)} tensors, {_fmt_bytes(self.total_bytes)})"]
+        lines = [f"ActivationCache({len(self.cache)} tensors, {format_bytes(self.total_bytes)})"]
         for name, value in self.cache.items():
             lines.append(
                 f"  {name}: {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
@@ -172,24 +174,9 @@ class ActivationCache:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td><code>{n}</code></td><td>{tuple(v.shape)}</td>"
-            f"<td>{str(v.dtype).removeprefix('torch.')}</td><td>{_fmt_bytes(v.numel() * v.element_size())}</td></tr>"
-            for n, v in self.cache.items()
-        )
-        return (
-            f"<b>ActivationCache</b>: {len(self.cache)} tensors, {_fmt_bytes(self.total_bytes)}"
-            f"<table><tr><th>name</th><th>shape</th><th>dtype</th><th>bytes</th></tr>{rows}</table>"
-        )
+        from qlens.viz.repr import render_cache_html
 
-
-def _fmt_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
+        return render_cache_html(self)
 
 
 def _stack_on_one_device(tensors: list[Tensor], what: str) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import re
 
-from qlens.bridge.cache import _fmt_bytes as human_bytes
+from qlens.formatting import format_bytes as human_bytes
 from qlens.report import plots
 from qlens.report.audit import WeightAudit, WeightRow
 from qlens.report.build import ReportContext, Section

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from qlens.bridge.cache import _fmt_bytes as _human_bytes
+from qlens.formatting import format_bytes as _human_bytes
 from qlens.report.build import ReportContext, Section
 
 

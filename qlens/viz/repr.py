@@ -6,7 +6,7 @@ import html
 from collections import Counter
 from typing import Any
 
-from qlens.bridge.cache import _fmt_bytes as format_bytes
+from qlens.formatting import format_bytes
 from qlens.quant.guards import quantization_method
 from qlens.quant.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
