@@ -37,8 +37,10 @@ def _check_files(out, report: dict) -> None:
 @pytest.mark.slow
 def test_default_report_of_the_default_model(tmp_path, capsys):
     assert main(["report", "--top-k", "5", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "1. ' Paris'" in printed
+    assert "qlens report" in captured.err and "100%" in captured.err  # the progress bar ran
     report = json.loads((tmp_path / "report.json").read_text())
     _check_files(tmp_path, report)
 
@@ -83,6 +85,8 @@ def test_report_values_match_the_bridge(tiny_llama_dir, tmp_path, capsys):
     prompt = "w1 w2 w3 w4 w1 w2"
     args = ["report", str(tiny_llama_dir), "--prompt", prompt, "--top-k", "3", "--quant", "int4"]
     assert main([*args, "--no-progress", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "qlens report" not in captured.err  # --no-progress hides the progress bar
     report = json.loads((tmp_path / "report.json").read_text())
     _check_files(tmp_path, report)
 
@@ -112,7 +116,7 @@ def test_report_values_match_the_bridge(tiny_llama_dir, tmp_path, capsys):
     assert [row["norm_last_position"] for row in report["residual_norms"]] == pytest.approx(
         expected_norms, rel=1e-6
     )
-    printed = capsys.readouterr().out
+    printed = captured.out
     assert "== Quantization audit (every weight) ==" in printed
     assert (
         f"wrote {tmp_path / 'report.json'}, {tmp_path / 'report.html'} and 4 PNG files" in printed
