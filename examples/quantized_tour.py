@@ -33,6 +33,10 @@ report = quantization_drift(
 )
 print(f"drift: final cosine {report.resid_cosine[-1]:.4f}, KL {report.logit_kl:.4f} nats")
 save_html(out, "drift.html", DriftDashboard(report).to_html())
+for scheme in SCHEMES:  # every scheme, on the same attention-only quantization
+    copy = quantize(bridge, scheme, skip=[*DEFAULT_SKIP, "*.mlp.*"])
+    r = quantization_drift(bridge, copy, "The capital of France is Paris. The capital of Italy is")
+    print(f"drift {scheme}: final cosine {r.resid_cosine[-1]:.4f}, KL {r.logit_kl:.4f} nats")
 
 try:
     W_Q(quantized, 0)
