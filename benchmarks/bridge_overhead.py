@@ -9,7 +9,7 @@ TransformerBridge on the same weights.
 CPU mode (default): the embedded SmolLM2-135M in fp32, 1 thread, 128 and 512 tokens:
     python benchmarks/bridge_overhead.py [--tl-python /tmp/tlvenv/bin/python]
 GPU mode: random-weight bf16 Llamas of ~1B and ~8B shape at 2048 tokens (no network needed):
-    python benchmarks/bridge_overhead.py --gpu
+    python benchmarks/bridge_overhead.py --gpu [--tl-python python3]
 
 Prints a markdown table (medians of --repeats timed runs after --warmup runs; the variants are
 interleaved within each repeat so that load drift hits all of them alike). On the CPU the ratios
@@ -128,11 +128,35 @@ def qlens_variants(plain_model, bridged_model, tokens) -> dict[str, Callable[[],
     }
 
 
+def stand_in_checkpoint(config, vocab_size: int) -> tuple[str, object]:
+    """A directory holding ``config`` and a word-level tokenizer of ``vocab_size`` words, for
+    loaders that need a checkpoint name (TransformerLens) around a random-weight model."""
+    import tempfile
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)} | {"<unk>": vocab_size - 2}
+    vocab["[UNK]"] = vocab_size - 1
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="w1", eos_token="w0"
+    )
+    directory = tempfile.mkdtemp(prefix="qlens-bench-")
+    config.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return directory, AutoTokenizer.from_pretrained(directory)
+
+
 def transformer_lens_variants(plain_model, bridged_model, tokens, tokenizer):
     from transformer_lens.model_bridge import TransformerBridge
 
+    name = bridged_model.name_or_path
+    if not name:  # a random-weight model: TransformerLens still wants a checkpoint to name
+        name, tokenizer = stand_in_checkpoint(bridged_model.config, bridged_model.config.vocab_size)
     bridge = TransformerBridge.boot_transformers(
-        bridged_model.name_or_path,
+        name,
         hf_model=bridged_model,
         tokenizer=tokenizer,
         device=str(tokens.device),
@@ -227,9 +251,9 @@ def run_worker(args) -> list[Timing]:
 def run_transformer_lens(args) -> tuple[list[Timing], str]:
     """Time TransformerLens in its own interpreter (its pins may conflict with qlens')."""
     command = [args.tl_python, os.path.abspath(__file__), "--worker", "transformer-lens"]
-    command += ["--model-dir", args.model_dir, "--tokens", *map(str, args.tokens)]
+    command += ["--model-dir", str(args.model_dir), "--tokens", *map(str, args.tokens)]
     command += ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
-    command += ["--threads", str(args.threads)]
+    command += ["--threads", str(args.threads)] + (["--gpu"] if args.gpu else [])
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
@@ -333,12 +357,12 @@ def main(argv: list[str] | None = None) -> None:
             "the CPU is shared with other jobs, so absolute times are noisy; compare ratios"
         )
     timings = run_worker(args)
-    if args.tl_python and not args.gpu:
+    if args.tl_python:
         tl_timings, note = run_transformer_lens(args)
         timings += tl_timings
         notes.append(note)
     else:
-        notes.append("TransformerLens not measured (pass --tl-python on CPU)")
+        notes.append("TransformerLens not measured (pass --tl-python)")
     table = render(timings, args, notes)
     print(table)
     if args.out:

@@ -1,16 +1,22 @@
 """Dequantize kernels vs eager torch and torch.compile, as a share of copy bandwidth.
 
-Run on a CUDA GPU: ``python benchmarks/dequant.py``; prints markdown. Bandwidth counts the
-packed bytes read (data, scales, zeros) plus the bf16 bytes written.
+Run on a CUDA GPU: ``python benchmarks/dequant.py [--sweep]``; prints markdown (and writes it to
+``$OUT/dequant.md`` when ``$OUT`` is set). Bandwidth counts the packed bytes read (data, scales,
+zeros) plus the bf16 bytes written. Peers: the codec in eager torch, the codec under
+``torch.compile`` (which graph-breaks on its input validation), and for fp8-block and int4 the
+bare arithmetic written for ``torch.compile`` (no validation), the strongest torch baseline.
+``--sweep`` times every tile of ``SWEEP`` per scheme and reports the best.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
 
 from qlens.kernels import dequantize_triton
+from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
 from qlens.kernels.timing import copy_bandwidth, header, time_eager, time_graph
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
@@ -26,6 +32,31 @@ SCHEMES = (
     ("int8", {"group_size": 128}),
 )
 SHAPE = (28672, 8192)
+SWEEP = tuple(
+    DequantLaunch(*t)
+    for t in (
+        (32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 8), (16, 1024, 4), (128, 128, 4),
+        (64, 256, 8), (128, 256, 8), (32, 1024, 8), (16, 512, 2),
+    )
+)  # fmt: skip
+
+
+def fp8_block_plain(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """128 x 128 block-scaled FP8 to bf16 in bare torch (shapes multiples of 128)."""
+    n, k = data.shape
+    blocks = data.float().view(n // 128, 128, k // 128, 128) * scales[:, None, :, None]
+    return blocks.view(n, k).to(torch.bfloat16)
+
+
+def int4_plain(data: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Symmetric group-wise int4 (low nibble first, offset 8) to bf16 in bare torch."""
+    n = data.shape[0]
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).view(n, -1).float() - 8.0
+    k = codes.shape[1]
+    return (codes.view(n, k // group, group) * scales[:, :, None]).view(n, k).to(torch.bfloat16)
+
+
+PLAIN = {("fp8-block", ()): fp8_block_plain, ("int4", (("group_size", 128),)): int4_plain}
 
 
 def _time(fn, graph=True):
@@ -36,17 +67,35 @@ def _time(fn, graph=True):
         return float("nan")
 
 
+def best_tile(p, nbytes: int) -> tuple[DequantLaunch, float, list[str]]:
+    """The fastest tile of ``SWEEP`` for payload ``p`` and a line per tile tried."""
+    lines, best = [], (GPU_DEQUANT_LAUNCH, float("inf"))
+    for tile in SWEEP:
+        t = _time(lambda p=p, tile=tile: dequantize_triton(p, torch.bfloat16, launch=tile))
+        lines.append(f"{tile.block_n}x{tile.block_k} w{tile.num_warps}: {t:.1f} us "
+                     f"({nbytes / t / 1e6:.2f} TB/s)")  # fmt: skip
+        if t < best[1]:
+            best = (tile, t)
+    return best[0], best[1], lines
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP")
+    args = parser.parse_args()
     copy_tbs = copy_bandwidth()
     out = [
         header("qlens dequantize kernels"),
         f"- copy bandwidth (read + write): "
         f"{copy_tbs:.2f} TB/s; shape {SHAPE[0]} x {SHAPE[1]} -> bf16",
         "",
-        "| scheme | bytes in+out (MB) | Triton us | TB/s | % of copy | eager us | "
-        "torch.compile us | bit-exact |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| scheme | bytes in+out (MB) | Triton us ({GPU_DEQUANT_LAUNCH.block_n}x"
+        f"{GPU_DEQUANT_LAUNCH.block_k} w{GPU_DEQUANT_LAUNCH.num_warps}) | TB/s | % of copy | "
+        "best swept tile | its us | its % of copy | eager us | torch.compile (codec) us | "
+        "torch.compile (bare math) us | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    sweeps = []
     torch.manual_seed(0)
     w = torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16) * 0.02
     compiled = torch.compile(dequantize, dynamic=False)
@@ -57,13 +106,27 @@ def main():
         t = _time(lambda p=p: dequantize_triton(p, torch.bfloat16))
         eager = _time(lambda p=p: dequantize(p, torch.bfloat16), graph=False)
         comp = _time(lambda p=p: compiled(p, torch.bfloat16), graph=False)
+        plain_fn = PLAIN.get((scheme, tuple(kw.items())))
+        bare = float("nan")
+        if plain_fn is not None:
+            plain = torch.compile(plain_fn, dynamic=False)
+            exact = exact and torch.equal(plain(p.data, p.scales), dequantize(p, torch.bfloat16))
+            bare = _time(lambda p=p, f=plain: f(p.data, p.scales))
         tbs = nbytes / t / 1e6
         name = scheme + (" " + ",".join(f"{a}={b}" for a, b in kw.items()) if kw else "")
+        best, best_t = GPU_DEQUANT_LAUNCH, t
+        if args.sweep:
+            best, best_t, lines = best_tile(p, nbytes)
+            sweeps.append(f"- {name}: " + "; ".join(lines))
+        best_tbs = nbytes / best_t / 1e6
         out.append(
-            f"| {name} | {nbytes / 1e6:.0f} | {t:.1f} | {tbs:.2f} | "
-            f"{100 * tbs / copy_tbs:.0f}% | {eager:.1f} | {comp:.1f} | {exact} |"
+            f"| {name} | {nbytes / 1e6:.0f} | {t:.1f} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f}% | "
+            f"{best.block_n}x{best.block_k} w{best.num_warps} | {best_t:.1f} | "
+            f"{100 * best_tbs / copy_tbs:.0f}% | {eager:.1f} | {comp:.1f} | {bare:.1f} | {exact} |"
         )
         print(out[-1], flush=True)
+    if sweeps:
+        out += ["", "## Tile sweep", "", *sweeps]
     out.append(f"\n- copy bandwidth re-measured at the end: {copy_bandwidth():.2f} TB/s")
     text = "\n".join(out)
     print(text)

@@ -1,4 +1,9 @@
-"""W4A16 decode (M = 1 and 16) against bf16 ``F.linear``, with a launch sweep and a parity check.
+"""W4A16 decode (M = 1 and 16) against bf16 ``F.linear`` and gemlite, with launch sweeps and parity.
+
+Both GEMV kernels of qlens are timed in the same run, each on the dispatcher's launch: the
+word-wise one (the default for these weights: int32 words of eight codes, integer decodes) and
+the byte-wise one (``QLENS_WORD_GEMV=0``). gemlite (int4, group 128,
+its own autotuning) is timed when it is importable.
 
 Run on a CUDA GPU: ``python benchmarks/kernels_decode.py [--no-sweep]``; prints markdown and,
 when ``$OUT`` is set, writes it to ``$OUT/kernels_decode_h200.md``.
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
+from qlens.kernels.gemv import WORD_GEMV_ENV
 from qlens.kernels.timing import copies_for, header, time_graph
 from qlens.quant.quantize import quantize_weight
 
@@ -24,17 +31,19 @@ SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 COPY_TBPS = 4.27  # device-to-device copy ceiling measured on this H200 (DESIGN.md section 5)
-# (M, BLOCK_N, BLOCK_K, warps) of the GEMV path tried on the largest layer.
-SWEEP = (
-    (1, 16, 512, 4), (1, 32, 256, 4), (1, 16, 1024, 8), (1, 32, 512, 8),
-    (16, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8), (16, 64, 256, 8),
-)  # fmt: skip
+# Word-wise GEMV launches swept on the largest layer: (M, BLOCK_N, BLOCK_K, warps).
+SWEEP = tuple((1, *t) for t in (
+    (32, 1024, 4), (32, 2048, 4), (16, 2048, 4), (64, 1024, 4), (16, 4096, 4), (32, 2048, 8),
+    (32, 1024, 2), (64, 2048, 8),
+)) + tuple((16, *t) for t in (
+    (64, 128, 4), (128, 128, 4), (128, 256, 4), (128, 128, 8), (256, 128, 8), (64, 256, 4),
+))  # fmt: skip
 
 
 def _safe(what: str, fn: Callable[[], float]) -> float:
     try:
         return fn()
-    except (RuntimeError, ValueError, TypeError, AssertionError) as err:
+    except (RuntimeError, ValueError, TypeError, AssertionError, ImportError) as err:
         print(f"<!-- {what} failed: {str(err)[:300]} -->", flush=True)
         return float("nan")
 
@@ -55,11 +64,54 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int, path="gemv") -> LinearConfig:
-    """A launch with the dispatcher's K split for these tiles on the GPU."""
-    cfg = LinearConfig(path, 16, bn, bk, num_warps=warps)
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return replace(cfg, split_k=split_k_for(m, n, k, cfg, dev))
+def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfig:
+    """A GEMV launch with the dispatcher's K split for these tiles on the GPU."""
+    cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps)
+    return replace(cfg, split_k=split_k_for(m, n, k, cfg, torch.device("cuda")))
+
+
+class word_gemv:
+    """Context: the word-wise GEMV on (``on=True``) or off for packed 4-bit weights."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.before = os.environ.get(WORD_GEMV_ENV)
+        os.environ[WORD_GEMV_ENV] = "1" if self.on else "0"
+
+    def __exit__(self, *exc):
+        if self.before is None:
+            os.environ.pop(WORD_GEMV_ENV, None)
+        else:
+            os.environ[WORD_GEMV_ENV] = self.before
+
+
+def _time_linear(ps, x, cfg=None) -> float:
+    return time_graph([lambda p=p: quantized_linear(x, p, config=cfg) for p in ps])
+
+
+def gemlite_int4(p, n: int, k: int):
+    """A gemlite int4 layer (group 128, bf16) holding the codes and scales of payload ``p``."""
+    from gemlite import DType, GemLiteLinear
+
+    codes = torch.stack((p.data & 0xF, p.data >> 4), dim=-1).view(n, k)
+    scales = p.scales.to(torch.bfloat16)
+    layer = GemLiteLinear(
+        4, group_size=128, in_features=k, out_features=n, input_dtype=DType.BF16,
+        output_dtype=DType.BF16,
+    )  # fmt: skip
+    layer.pack(codes, scales, torch.full_like(scales, 8.0), None)
+    return layer
+
+
+def gemlite_layers(ps, n: int, k: int) -> list:
+    """gemlite layers for the int4 payloads ``ps``, or none when gemlite is absent or refuses."""
+    try:
+        return [gemlite_int4(p, n, k) for p in ps]
+    except Exception as err:  # noqa: BLE001 - gemlite raises bare Exception when it refuses
+        print(f"<!-- gemlite unavailable: {type(err).__name__}: {str(err)[:300]} -->", flush=True)
+        return []
 
 
 def bench(sweep: bool, dev: torch.device) -> str:
@@ -71,73 +123,82 @@ def bench(sweep: bool, dev: torch.device) -> str:
         payloads = {
             s: _copies(quantize_weight(w, s, **kw), copies_for(n * k // 2)) for s, kw in SCHEMES
         }
+        layers = gemlite_layers(payloads["int4"], n, k)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             base = _safe(
                 "bf16", lambda x=x, b=bf16: time_graph([lambda t=t: F.linear(x, t) for t in b])
             )
             cfg = choose_config(m, n, k, dev)
+            word_cfg = choose_config(m, n, k, dev, packed_words=True)
             cells = {}
             for s, _ in SCHEMES:
                 ps = payloads[s]
-                cells[s] = _safe(
-                    f"{s} {m}x{n}x{k}",
-                    lambda ps=ps, x=x: time_graph([lambda p=p: quantized_linear(x, p) for p in ps]),
-                )
                 ref = F.linear(x.float(), dequantize_triton(ps[0], torch.float32))
-                checks.append((s, m, n, k, _safe(s, lambda p=ps[0], x=x, r=ref: _rel_err(
-                    quantized_linear(x, p), r))))  # fmt: skip
-                if m == 16:
-                    alt = _launch(m, n, k, 64, 128, 4)
-                    cells[s + " gemv"] = _safe(
-                        f"{s} tensor-core GEMV at M=16",
-                        lambda ps=ps, x=x, c=alt: time_graph(
-                            [lambda p=p: quantized_linear(x, p, config=c) for p in ps]
-                        ),
-                    )
-                    checks.append((s + " gemv", m, n, k, _safe(s, lambda p=ps[0], x=x, r=ref,
-                        c=alt: _rel_err(quantized_linear(x, p, config=c), r))))  # fmt: skip
-            rows.append((m, n, k, cfg, base, cells))
+                for label, on, c in (("byte", False, cfg), ("word", True, word_cfg)):
+                    with word_gemv(on):
+                        cells[f"{s} {label}"] = _safe(
+                            f"{s} {label} {m}x{n}x{k}",
+                            lambda ps=ps, x=x, c=c: _time_linear(ps, x, c),
+                        )
+                        err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: _rel_err(
+                            quantized_linear(x, p, config=c), r))  # fmt: skip
+                    checks.append((f"{s} {label}", m, n, k, err))
+            if layers:
+                cells["gemlite int4"] = _safe(
+                    "gemlite", lambda x=x, gs=layers: time_graph([lambda g=g: g(x) for g in gs])
+                )
+                ref = F.linear(x.float(), dequantize_triton(payloads["int4"][0], torch.float32))
+                checks.append(("gemlite int4", m, n, k, _safe("gemlite parity", lambda x=x, r=ref,
+                    g=layers[0]: _rel_err(g(x), r))))  # fmt: skip
+            rows.append((m, n, k, cfg, word_cfg, base, cells))
             print(f"<!-- {m}x{n}x{k} bf16={base:.1f} {cells} -->", flush=True)
         if sweep and (n, k) == SHAPES[-1]:
-            for s, _ in SCHEMES:
-                for m, bn, bk, warps in SWEEP:
-                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                    c = _launch(m, n, k, bn, bk, warps)
+            for (s, _), (m, bn, bk, warps) in itertools.product(SCHEMES, SWEEP):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                c = _launch(m, n, k, bn, bk, warps)
+                with word_gemv(True):
                     us = _safe(
-                        f"sweep {s} {c}",
-                        lambda ps=payloads[s], c=c, x=x: time_graph(
-                            [lambda p=p: quantized_linear(x, p, config=c) for p in ps]
-                        ),
+                        f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: _time_linear(ps, x, c)
                     )
-                    sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
-                    print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)
-        del bf16, payloads, w
+                sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
+                print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)
+        del bf16, payloads, w, layers
         torch.cuda.empty_cache()
+    return render(rows, checks, sweep_rows)
 
+
+def _cell(us: float, base: float) -> str:
+    return f"{us:.1f} ({base / us:.2f}x)"
+
+
+def render(rows, checks, sweep_rows) -> str:
     out = [header("W4A16 decode on the H200"), "## Time (us) and speed-up over bf16 F.linear", ""]
     out += [
-        "| M | N | K | path | bf16 | int4 | mxfp4 | nvfp4 | int4 % copy BW | mxfp4 % | nvfp4 % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Each scheme on the byte-wise and the word-wise kernels, each on the dispatcher's launch "
+        "for it (M = 16: the word-wise GEMV on tensor cores, the byte-wise weight on split-K). "
+        "% of copy: the 4-bit weight and its scales streamed once, against "
+        f"{COPY_TBPS} TB/s.",
+        "",
+        "| M | N | K | launch byte / word | bf16 | int4 byte | int4 word | mxfp4 byte | mxfp4 word | "
+        "nvfp4 byte | nvfp4 word | gemlite int4 | best % of copy (int4 / mxfp4 / nvfp4) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m, n, k, cfg, base, cells in rows:
-        times = [f"{cells[s]:.1f} ({base / cells[s]:.2f}x)" for s, _ in SCHEMES]
+    for m, n, k, cfg, wcfg, base, cells in rows:
+        times = [_cell(cells[f"{s} {v}"], base) for s, _ in SCHEMES for v in ("byte", "word")]
+        gl = _cell(cells["gemlite int4"], base) if "gemlite int4" in cells else "n/a"
         bw = [
-            f"{n * k * BYTES_PER_WEIGHT[s] / cells[s] / 1e6 / COPY_TBPS * 100:.0f}%"
+            n * k * BYTES_PER_WEIGHT[s] / min(cells[f"{s} byte"], cells[f"{s} word"]) / 1e6
             for s, _ in SCHEMES
         ]
-        path = f"{cfg.path} {cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps}"
-        out.append(f"| {m} | {n} | {k} | {path} | {base:.1f} | " + " | ".join(times + bw) + " |")
-    out += ["", "## M = 16 on the word-wise tensor-core GEMV (64x128, 4 warps), same run", ""]
-    out += ["| N | K | bf16 | int4 | mxfp4 | nvfp4 |", "|---|---|---|---|---|---|"]
-    for m, n, k, _, base, cells in rows:
-        if m == 16:
-            cols = [
-                f"{cells[s + ' gemv']:.1f} ({base / cells[s + ' gemv']:.2f}x)" for s, _ in SCHEMES
-            ]
-            out.append(f"| {n} | {k} | {base:.1f} | " + " | ".join(cols) + " |")
+        shares = " / ".join(f"{100 * b / COPY_TBPS:.0f}%" for b in bw)
+        launch = " / ".join(
+            f"{c.path} {c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps}" for c in (cfg, wcfg)
+        )
+        out.append(f"| {m} | {n} | {k} | {launch} | {base:.1f} | " + " | ".join(times) +
+                   f" | {gl} | {shares} |")  # fmt: skip
     if sweep_rows:
-        out += ["", f"## GEMV sweep, {SHAPES[-1][0]} x {SHAPES[-1][1]}", ""]
+        out += ["", f"## Word-wise GEMV sweep, {SHAPES[-1][0]} x {SHAPES[-1][1]}", ""]
         out += [
             "| weight | M | BLOCK_N x BLOCK_K | warps | split | us |",
             "|---|---|---|---|---|---|",
@@ -147,7 +208,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
             for s, m, bn, bk, w, sp, us in sweep_rows
         ]
     out += ["", "## Parity: relative Frobenius error vs dequantize (fp32) + F.linear", ""]
-    out += ["| weight | M | N | K | rel err |", "|---|---|---|---|---|"]
+    out += ["| kernel | M | N | K | rel err |", "|---|---|---|---|---|"]
     out += [f"| {s} | {m} | {n} | {k} | {e:.2e} |" for s, m, n, k, e in checks]
     return "\n".join(out)
 

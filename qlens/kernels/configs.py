@@ -48,15 +48,20 @@ class LinearConfig:
 GEMV_MAX_M = 4
 SPLITK_MAX_M = 64
 
-# H200 table: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
-# From the sweeps of benchmarks/kernels.py on 28672 x 8192 (benchmarks/results/kernels_*h200.md):
-# up to 4 rows the GEMV (packed 4-bit weights in whole int32 words take the word-wise kernel of
-# decode_fast.py, other weights the byte-wise one); up to 32 rows the tensor-core split-K;
-# larger batches dequantize once and multiply with cuBLAS. The word-wise kernel also serves
-# 5-16 rows on tensor cores when given a "gemv" launch (benchmarks/kernels_decode.py compares
-# it with split-K); it is not in the table until measured on the H200. W8A8 hands batches
-# above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
-# three of the four benchmark shapes).
+# H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
+# From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
+# whole int32 words take the word-wise GEMV of decode_fast.py: FMAs up to 4 rows, whose best tile
+# streams 32 KB of codes per K step (32 x 1024: int4 65 us vs 100 us for the byte-wise kernel),
+# and tensor-core dots per code position up to 16 rows. Other weights take the byte-wise GEMV up
+# to 4 rows and the tensor-core split-K up to 32. Larger batches dequantize once and multiply
+# with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the
+# Triton split-K from M = 64 on three of the four benchmark shapes).
+_H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 3),
+    (16, "gemv", 16, 64, 128, 4, 3),
+    (32, "splitk", 16, 128, 128, 4, 3),
+    (1 << 62, "dequant", 16, 16, 16, 4, 3),
+)
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (GEMV_MAX_M, "gemv", 16, 32, 256, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),
@@ -88,7 +93,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device) -> int:
-    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split.
+    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split
+    (>= 1 on the GEMV path, whose K steps are long and whose programs each stream one strip).
 
     GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
     one program); the byte-wise GEMV launches one per row, so its split errs towards more.
@@ -97,8 +103,9 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
+    min_steps = 1 if cfg.path == "gemv" else 4
     split = 1
-    while tiles * split < 2 * sms and k_steps // (split * 2) >= 4:
+    while tiles * split < 2 * sms and k_steps // (split * 2) >= min_steps:
         split *= 2
     return split
 
@@ -116,15 +123,26 @@ def interpreter_config(m: int, n: int, k: int, path: Path | None = None) -> Line
 
 
 def choose_config(
-    m: int, n: int, k: int, device: torch.device, *, w8a8: bool = False
+    m: int,
+    n: int,
+    k: int,
+    device: torch.device,
+    *,
+    w8a8: bool = False,
+    packed_words: bool = False,
 ) -> LinearConfig:
-    """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8)."""
+    """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8).
+
+    ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``).
+    """
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)
     h200 = "H200" in gpu_name(device)
     if w8a8:
         table = _H200_W8A8 if h200 else _DEFAULT_W8A8
+    elif packed_words and h200:
+        table = _H200_PACKED_WORDS
     else:
         table = _H200_WEIGHT_ONLY if h200 else _DEFAULT_WEIGHT_ONLY
     for max_m, path, bm, bn, bk, warps, stages in table:

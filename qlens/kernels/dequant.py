@@ -1,5 +1,6 @@
 """GPU dequantize kernels: a qlens payload to a dense float matrix, bit-exact with the codecs."""
 
+from dataclasses import dataclass
 from typing import no_type_check
 
 import torch
@@ -68,11 +69,30 @@ def _dequant_kernel(
     )
 
 
-def _blocks(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): few huge tiles in the interpreter, 16 KB tiles on a GPU."""
+@dataclass(frozen=True)
+class DequantLaunch:
+    """Tile of one dequantize program: ``block_n`` rows by ``block_k`` columns."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+# GPU default, from the tile sweep of benchmarks/dequant.py on the H200.
+GPU_DEQUANT_LAUNCH = DequantLaunch(32, 256, 4)
+
+
+def default_launch(n: int) -> DequantLaunch:
+    """Few huge tiles in the interpreter (it pays per program), the tuned tile on a GPU."""
     if interpreting():
-        return max(16, min(64, triton.next_power_of_2(n))), 128, 4
-    return 32, 256, 4
+        return DequantLaunch(max(16, min(64, triton.next_power_of_2(n))), 128, 4)
+    return GPU_DEQUANT_LAUNCH
 
 
 # Formats whose payloads keep their library's own packing, each with a kernel of its own.
@@ -84,13 +104,17 @@ _FORMAT_KERNELS = {
 
 
 def dequantize_triton(
-    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16
+    payload: QuantPayload,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    launch: DequantLaunch | None = None,
 ) -> Float[Tensor, "..."]:
     """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
 
     Decoded by a Triton kernel, bit-exact with ``qlens.dequantize(payload, dtype)`` for the
     fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts, bitsandbytes NF4/FP4/int8,
-    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads.
+    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads. ``launch`` overrides the tile of the
+    qlens layouts (benchmarks sweep it); the library layouts keep their own kernels' tiles.
     """
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
@@ -100,15 +124,18 @@ def dequantize_triton(
         from qlens.kernels.experts import expert_payload
 
         experts = range(payload.shape[0])
-        return torch.stack([dequantize_triton(expert_payload(payload, e), dtype) for e in experts])
+        return torch.stack(
+            [dequantize_triton(expert_payload(payload, e), dtype, launch=launch) for e in experts]
+        )
     w = kernel_weight(payload)
     require_kernel_device(w.data.device)
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
-    block_n, block_k, warps = _blocks(w.n, w.k)
+    tile = launch or default_launch(w.n)
+    block_n, block_k = tile.block_n, tile.block_k
     grid = (triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))
     with on_device(out.device):
         _dequant_kernel[grid](
             *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
-            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=warps,
+            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
         )  # fmt: skip
     return out

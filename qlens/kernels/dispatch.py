@@ -67,7 +67,12 @@ def quantized_linear(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*lead, w.n))
-    cfg = config or choose_config(m, w.n, w.k, x.device, w8a8=w8a8)
+    if config is None:
+        from qlens.kernels.gemv import word_view
+
+        words = not w8a8 and word_view(w) is not None
+        config = choose_config(m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words)
+    cfg = config
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 

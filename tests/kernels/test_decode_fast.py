@@ -158,12 +158,17 @@ def test_rows_that_are_not_whole_words_take_the_byte_kernel():
     assert rel_err(out, _reference(x, payload)) < TOLERANCE[torch.float32]
 
 
-def test_word_kernel_is_opt_in_outside_the_interpreter(monkeypatch):
+def test_word_kernel_is_the_default_and_can_be_turned_off(monkeypatch):
     import qlens.kernels.gemv as gemv
 
     payload = quantized(40, 328, FAMILIES[0])
-    monkeypatch.setattr(gemv, "interpreting", lambda: False)
+    x = torch.randn(3, 328)
     monkeypatch.delenv(gemv.WORD_GEMV_ENV, raising=False)
-    assert word_view(kernel_weight(payload)) is None  # the measured byte kernel by default
-    monkeypatch.setenv(gemv.WORD_GEMV_ENV, "1")
     assert word_view(kernel_weight(payload)) is not None
+    word = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
+    monkeypatch.setenv(gemv.WORD_GEMV_ENV, "0")  # the byte-wise kernel, for comparisons
+    assert word_view(kernel_weight(payload)) is None
+    byte = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
+    reference = _reference(x, payload)
+    assert rel_err(word, reference) < TOLERANCE[torch.float32]
+    assert rel_err(byte, reference) < TOLERANCE[torch.float32]

@@ -10,6 +10,7 @@ from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quanti
 from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.weights import kernel_weight
 from qlens.quant.dequantize import dequantize
 
 pytestmark = [
@@ -88,3 +89,33 @@ def test_w8a8_cublas_path_matches_reference_on_gpu():
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         ref = reference_w8a8_linear(x.double(), p, bias.double())
         assert rel_err(quantized_linear(x, p, bias, w8a8=True, config=cfg), ref) < 8e-3
+
+
+PACKED_4BIT = tuple(case for case in SCHEMES if case[0] in ("int4", "mxfp4", "nvfp4"))
+WORD_LAUNCHES = (
+    LinearConfig("gemv", 16, 32, 256),
+    LinearConfig("gemv", 16, 16, 1024, num_warps=8),
+    LinearConfig("gemv", 16, 64, 128, split_k=3),
+    LinearConfig("gemv", 16, 128, 256, num_warps=8, split_k=2),
+)
+
+
+@pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
+    """The word-wise GEMV (FMAs up to 4 rows, tensor-core dots beyond) on whole-word rows."""
+    from qlens.kernels.gemv import WORD_GEMV_ENV, word_view
+
+    monkeypatch.setenv(WORD_GEMV_ENV, "1")
+    p = quantized(300, 1024, case).to("cuda")
+    assert word_view(kernel_weight(p)) is not None
+    weight = dequantize(p, torch.float64)
+    bias = torch.randn(300, device="cuda").to(dtype)
+    for m in (1, 2, 4, 5, 16, 40):
+        x = torch.randn(m, 1024, device="cuda").to(dtype)
+        ref = torch.nn.functional.linear(x.double(), weight, bias.double())
+        for cfg in WORD_LAUNCHES:
+            assert rel_err(quantized_linear(x, p, bias, config=cfg), ref) < TOLERANCE[dtype], (
+                m,
+                cfg,
+            )

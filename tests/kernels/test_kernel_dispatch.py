@@ -59,3 +59,24 @@ def test_bad_inputs_raise_clear_errors():
 def test_empty_batch():
     payload = quantized(16, 64, ("int8", {"group_size": 32}))
     assert quantized_linear(torch.randn(0, 64), payload).shape == (0, 16)
+
+
+def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
+    """The tuned tables as a GPU sees them (device properties faked: no GPU needed)."""
+    import qlens.kernels.configs as configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(configs, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    word = choose_config(1, 28672, 8192, gpu, packed_words=True)
+    byte = choose_config(1, 28672, 8192, gpu)
+    assert (word.path, word.block_n, word.block_k, word.split_k) == ("gemv", 32, 1024, 1)
+    assert (byte.path, byte.block_n, byte.block_k) == ("gemv", 32, 256)
+    assert choose_config(16, 28672, 8192, gpu, packed_words=True).path == "gemv"
+    assert choose_config(16, 28672, 8192, gpu).path == "splitk"
+    assert choose_config(32, 28672, 8192, gpu, packed_words=True).path == "splitk"
+    assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"
+    # A small layer splits K until the grid covers the GPU, down to one long K step per split.
+    small = choose_config(1, 4096, 4096, gpu, packed_words=True)
+    assert small.split_k == 4  # 128 tiles x 4 splits of one 1024-wide K step each
