@@ -1,7 +1,8 @@
-"""Decode step of an 8B-shaped Llama-like stack of linears (random weights), per scheme vs bf16.
+"""Decode step and prefill of an 8B-shaped Llama-like stack of linears (random weights), per
+scheme vs bf16.
 
-Run on a CUDA GPU: ``python benchmarks/model_decode.py``; prints markdown. Only the linear
-layers are timed (attention, norms and activations are the same for every scheme): 32 layers of
+Run on a CUDA GPU: ``python benchmarks/model_decode.py``; prints markdown. Decode runs one token
+(M = 1), prefill ``PREFILL_TOKENS`` tokens at once. Only the linear layers are timed (attention, norms and activations are the same for every scheme): 32 layers of
 fused qkv [6144, 4096], o [4096, 4096], fused gate_up [28672, 4096] and down [4096, 14336].
 """
 
@@ -18,6 +19,7 @@ from qlens.kernels.timing import header, time_graph
 from qlens.quant.quantize import quantize_weight
 
 LAYERS = 32
+PREFILL_TOKENS = 2048
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 SCHEMES = (
     ("fp8-block W8A8", "fp8-block", {}, True),
@@ -51,20 +53,32 @@ def _step(layer_fns, x_in):
     return run
 
 
+def _timed(name, fns, x, replays):
+    try:
+        return time_graph([_step(fns, x)], replays=replays)
+    except (RuntimeError, ValueError) as err:
+        print(f"<!-- {name} failed: {str(err)[:300]} -->")
+        return float("nan")
+
+
 def main():
     torch.manual_seed(0)
     base = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(PREFILL_TOKENS, 4096, device="cuda", dtype=torch.bfloat16)
     bf16_layers = [[w.clone() for w in base] for _ in range(LAYERS)]
     bf16_bytes = sum(w.numel() * 2 for layer in bf16_layers for w in layer)
     fns = [[lambda a, w=w: F.linear(a, w) for w in layer] for layer in bf16_layers]
     bf16_us = time_graph([_step(fns, x)], replays=10)
+    bf16_prefill = time_graph([_step(fns, xp)], replays=5)
     del bf16_layers, fns
     out = [
-        header("qlens decode step, 8B-shaped stack of linears (M = 1)"),
-        "| scheme | step us | speed-up vs bf16 | weight GB | memory vs bf16 |",
-        "|---|---|---|---|---|",
-        f"| bf16 | {bf16_us:.0f} | 1.00x | {bf16_bytes / 1e9:.2f} | 1.00x |",
+        header(f"qlens decode step (M = 1) and prefill (M = {PREFILL_TOKENS}), 8B-shaped linears"),
+        "| scheme | decode step us | decode speed-up vs bf16 | prefill ms | prefill speed-up "
+        "| weight GB | memory vs bf16 |",
+        "|---|---|---|---|---|---|---|",
+        f"| bf16 | {bf16_us:.0f} | 1.00x | {bf16_prefill / 1e3:.1f} | 1.00x | "
+        f"{bf16_bytes / 1e9:.2f} | 1.00x |",
     ]
     print(out[-1], flush=True)
     for name, scheme, options, w8a8 in SCHEMES:
@@ -75,14 +89,10 @@ def main():
             [lambda a, p=p, w8=w8a8: quantized_linear(a, p, w8a8=w8) for p in layer]
             for layer in layers
         ]
-        try:
-            us = time_graph([_step(fns, x)], replays=10)
-        except (RuntimeError, ValueError) as err:
-            us = float("nan")
-            print(f"<!-- {name} failed: {str(err)[:300]} -->")
+        us, prefill = _timed(name, fns, x, 10), _timed(name + " prefill", fns, xp, 5)
         out.append(
-            f"| {name} | {us:.0f} | {bf16_us / us:.2f}x | {nbytes / 1e9:.2f} | "
-            f"{bf16_bytes / nbytes:.2f}x less |"
+            f"| {name} | {us:.0f} | {bf16_us / us:.2f}x | {prefill / 1e3:.1f} | "
+            f"{bf16_prefill / prefill:.2f}x | {nbytes / 1e9:.2f} | {bf16_bytes / nbytes:.2f}x less |"
         )
         print(out[-1], flush=True)
         del layers, fns, first

@@ -84,8 +84,8 @@ class DequantLaunch:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
 
-# GPU default, from the tile sweep of benchmarks/dequant.py on the H200.
-GPU_DEQUANT_LAUNCH = DequantLaunch(32, 256, 4)
+# GPU default: the best tile overall of the sweep in benchmarks/results/dequant_h200.md (H200).
+GPU_DEQUANT_LAUNCH = DequantLaunch(16, 1024, 4)
 
 
 def default_launch(n: int) -> DequantLaunch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,12 @@ def test_ranks_started_by_torchrun_join_a_gloo_group_and_compare_values(tmp_path
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     message = "ranks [1] disagree with rank 0 on the rank-dependent value"
-    assert sorted(line for line in run.stdout.splitlines() if message in line) == [
+    # Both ranks print to one pipe: a message is one write, but the two newlines may land after
+    # both messages, so the messages are found in the text rather than split into lines.
+    pattern = (
+        rf"rank \d/2: {re.escape(message)}; launch every rank with the same arguments and inputs"
+    )
+    assert sorted(re.findall(pattern, run.stdout)) == [
         f"rank 0/2: {message}; launch every rank with the same arguments and inputs",
         f"rank 1/2: {message}; launch every rank with the same arguments and inputs",
     ]
