@@ -21,6 +21,7 @@ the minor page faults, i.e. the cost of handing the process fresh memory for wha
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -192,8 +193,10 @@ def random_pair(shape: dict, device: str):
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            plain = LlamaForCausalLM(config).eval()
-            bridged = LlamaForCausalLM(config).eval()
+            # Separate config objects: a library that edits its model's config (TransformerLens
+            # forces eager attention) must not change the plain baseline's attention too.
+            plain = LlamaForCausalLM(copy.deepcopy(config)).eval()
+            bridged = LlamaForCausalLM(copy.deepcopy(config)).eval()
             bridged.load_state_dict(plain.state_dict())
     finally:
         torch.set_default_dtype(previous)
