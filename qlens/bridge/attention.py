@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from qlens.hooks import HookPoint
@@ -48,6 +48,9 @@ class AttentionTap:
 
 
 _TAPS: dict[int, AttentionTap] = {}
+# id(config) of the configs a bridge run has switched to qlens attention whose fast function is
+# SDPA: their masks are built as SDPA's (None where ``is_causal`` serves), the others' as eager's.
+_SDPA_MASKED: set[int] = set()
 
 
 def original_attention_fn(module: nn.Module, implementation: str | None) -> Callable[..., Any]:
@@ -57,8 +60,34 @@ def original_attention_fn(module: nn.Module, implementation: str | None) -> Call
         return family_module.eager_attention_forward
     if implementation == "sdpa":
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    # Other kernels expect other mask formats; under qlens the mask is HF's eager mask.
+    # Other kernels expect other mask formats; under qlens they are served by SDPA and its masks.
     return sdpa_attention_forward
+
+
+def uses_sdpa_masks(implementation: str | None) -> bool:
+    """Whether ``original_attention_fn`` gives an SDPA function for ``implementation``."""
+    return implementation not in (None, "eager")
+
+
+def mask_like_fast_path(config: Any, sdpa_masks: bool) -> None:
+    """Build ``config``'s masks for its fast function while qlens attention is switched on:
+    SDPA's (``None`` when causal attention needs no mask, so SDPA keeps its fused causal
+    kernels) or HF's eager additive mask."""
+    if sdpa_masks:
+        _SDPA_MASKED.add(id(config))
+    else:
+        _SDPA_MASKED.discard(id(config))
+
+
+def forget_mask_style(config: Any) -> None:
+    _SDPA_MASKED.discard(id(config))
+
+
+def qlens_mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
+    """The mask function registered for qlens attention (see ``mask_like_fast_path``)."""
+    if config is not None and id(config) in _SDPA_MASKED:
+        return sdpa_mask(*args, config=config, **kwargs)
+    return eager_mask(*args, config=config, **kwargs)
 
 
 def install_tap(module: nn.Module, tap: AttentionTap) -> None:
@@ -215,4 +244,4 @@ def register() -> None:
     if IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(IMPLEMENTATION, qlens_attention_forward)
     if IMPLEMENTATION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, eager_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, qlens_mask)

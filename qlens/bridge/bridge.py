@@ -220,6 +220,8 @@ class Bridge:
                     tap.fast_fn = attention.original_attention_fn(attn, saved[id(attn.config)])
                     attention.install_tap(attn, tap)
                 for config in configs.values():
+                    sdpa_masks = attention.uses_sdpa_masks(saved[id(config)])
+                    attention.mask_like_fast_path(config, sdpa_masks)
                     config._attn_implementation = attention.IMPLEMENTATION
             yield
         finally:
@@ -228,6 +230,7 @@ class Bridge:
             for rl in self._layers:
                 attention.remove_tap(rl.modules["attn"])
             for config in configs.values():
+                attention.forget_mask_style(config)
                 if config._attn_implementation != saved[id(config)]:
                     config._attn_implementation = saved[id(config)]
             self._store.clear()

@@ -123,3 +123,43 @@ def test_explicit_scores_mask_and_scale_match_a_direct_computation() -> None:
     assert torch.all(scores[~allowed.expand_as(scores)] == torch.finfo(scores.dtype).min)
     assert (scores - expected)[allowed.expand_as(scores)].abs().max() <= TOL
     assert torch.allclose(cache["blocks.1.attn.hook_pattern"], torch.softmax(scores, -1), atol=TOL)
+
+
+@pytest.mark.parametrize("arch", [a for a in ("llama", "gemma2") if a in ARCHS])
+def test_masks_follow_the_fast_function(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under SDPA an unpadded causal batch gets no mask (SDPA's fused causal kernels stay
+    usable) and a padded one a boolean mask; an eager model keeps HF's additive float mask.
+    Either way the hooked run reproduces HF's logits."""
+    model = tiny_model(arch)
+    bridge = Bridge(model)
+    seen: list[tuple[str, torch.Tensor | None]] = []
+    for name in ("sdpa_mask", "eager_mask"):
+        original = getattr(attention, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            seen.append((_name, _original(*args, **kwargs)))
+            return seen[-1][1]
+
+        monkeypatch.setattr(attention, name, spy)
+    sdpa = model.config._attn_implementation == "sdpa"
+    tokens, mask = _tokens(), _mask()
+    with torch.no_grad():
+        unpadded, _ = bridge.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_z"))
+        unpadded_seen = list(seen)
+        padded, _ = bridge.run_with_cache(
+            tokens, names_filter=lambda n: n.endswith("hook_z"), attention_mask=mask
+        )
+        expected = model(input_ids=tokens).logits
+        expected_padded = model(input_ids=tokens, attention_mask=mask).logits
+    assert unpadded_seen and len(seen) > len(unpadded_seen)
+    if sdpa:
+        assert all(kind == "sdpa_mask" and m is None for kind, m in unpadded_seen)
+        padded_seen = seen[len(unpadded_seen) :]
+        assert all(kind == "sdpa_mask" and m.dtype == torch.bool for kind, m in padded_seen)
+    else:
+        assert all(kind == "eager_mask" and m.is_floating_point() for kind, m in seen)
+    assert (unpadded - expected).abs().max() <= TOL
+    real = mask.bool()
+    assert (padded - expected_padded)[real].abs().max() <= TOL
+    assert model.config._attn_implementation == ("sdpa" if sdpa else "eager")
+    assert not attention._SDPA_MASKED  # nothing left behind after the runs
