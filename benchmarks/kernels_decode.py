@@ -12,10 +12,11 @@ when ``$OUT`` is set, writes it to ``$OUT/kernels_decode_h200.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -67,21 +68,18 @@ def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfi
     return replace(cfg, split_k=split_k_for(m, n, k, cfg, torch.device("cuda")))
 
 
-class word_gemv:
-    """Context: the word-wise GEMV on (``on=True``) or off for packed 4-bit weights."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        self.before = os.environ.get(WORD_GEMV_ENV)
-        os.environ[WORD_GEMV_ENV] = "1" if self.on else "0"
-
-    def __exit__(self, *exc):
-        if self.before is None:
+@contextlib.contextmanager
+def word_gemv(on: bool) -> Iterator[None]:
+    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
+    before = os.environ.get(WORD_GEMV_ENV)
+    os.environ[WORD_GEMV_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
             os.environ.pop(WORD_GEMV_ENV, None)
         else:
-            os.environ[WORD_GEMV_ENV] = self.before
+            os.environ[WORD_GEMV_ENV] = before
 
 
 def _time_linear(ps, x, cfg=None) -> float:
