@@ -230,6 +230,23 @@ def test_generate_with_attention_hooks_matches_plain_generate(arch: str, word_to
     assert bridge.model.config._attn_implementation != "qlens"
 
 
+def test_generate_with_z_hooks_on_the_fast_path_matches_plain_generate(
+    arch: str, word_tokenizer
+) -> None:  # noqa: ANN001
+    """hook_z keeps the model's own attention function (and, under SDPA, SDPA's masks: none for
+    an unpadded prompt, boolean for a padded batch); prefill and cached decoding stay exact."""
+    bridge = Bridge(tiny_model(arch), word_tokenizer)
+    for prompts in ("the cat sat on the mat", ["the cat sat on the mat", "a dog"]):
+        base = bridge.generate(prompts, max_new_tokens=4, return_type="tokens")
+        shapes = []
+        hook = ("blocks.1.attn.hook_z", lambda x, hook, seen=shapes: seen.append(x.shape))
+        with bridge.hooks(fwd_hooks=[hook]):
+            hooked = bridge.generate(prompts, max_new_tokens=4, return_type="tokens")
+        assert torch.equal(base, hooked), prompts
+        assert len(shapes) == 4 and shapes[1][1] == 1  # prefill, then one query per step
+    assert bridge.model.config._attn_implementation != "qlens"
+
+
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 def test_padded_batch_equals_single_runs(arch: str, padding_side: str, word_tokenizer) -> None:  # noqa: ANN001
     bridge = Bridge(tiny_model(arch), word_tokenizer)
