@@ -72,7 +72,9 @@ def kernel_weight(payload: QuantPayload) -> KernelWeight:
     if fmt.name not in FAMILIES:
         raise ValueError(
             f"qlens kernels support the formats {sorted(FAMILIES)}, not {fmt.name!r}; "
-            "use qlens.kernels.reference_linear (dequantize, then matmul) for it"
+            "GGUF Q4_0/Q8_0 map onto them exactly with "
+            "qlens.quant.codecs.intgroup.repack_to_qlens, other formats need "
+            "qlens.kernels.reference_linear (dequantize, then matmul)"
         )
     family = FAMILIES[fmt.name]
     packing = payload.layout.get("packing", "qlens")

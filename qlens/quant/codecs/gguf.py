@@ -94,7 +94,7 @@ def _f16(blocks: Tensor, start: int) -> Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _low_high(packed: Tensor, width: int) -> Tensor:
+def low_high_nibbles(packed: Tensor, width: int) -> Tensor:
     """Nibbles of ``packed [blocks, groups*width]``: per group the low nibbles, then the high."""
     grouped = packed.reshape(packed.shape[0], -1, 1, width)
     shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device).reshape(1, 1, 2, 1)
@@ -108,19 +108,19 @@ def _bit_planes(packed: Tensor) -> Tensor:
 
 
 def _q4_0(blocks: Tensor) -> Tensor:
-    q = _low_high(blocks[:, 2:], 16).to(torch.int8) - 8
+    q = low_high_nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
     return _f16(blocks, 0) * q.to(torch.float32)
 
 
 def _q4_1(blocks: Tensor) -> Tensor:
-    q = _low_high(blocks[:, 4:], 16).to(torch.float32)
+    q = low_high_nibbles(blocks[:, 4:], 16).to(torch.float32)
     return _f16(blocks, 0) * q + _f16(blocks, 2)
 
 
 def _q5_low_bits(blocks: Tensor, start: int) -> Tensor:
     """Q5_0/Q5_1 5-bit codes: a little-endian 32-bit high-bit mask at ``start``, then nibbles."""
     high = _bit_planes(blocks[:, start : start + 4]).transpose(1, 2).reshape(-1, 32)
-    return _low_high(blocks[:, start + 4 :], 16) | (high << 4)
+    return low_high_nibbles(blocks[:, start + 4 :], 16) | (high << 4)
 
 
 def _q5_0(blocks: Tensor) -> Tensor:
@@ -154,7 +154,7 @@ def _k_scales(blocks: Tensor) -> tuple[Tensor, Tensor]:
 def _q4_k(blocks: Tensor) -> Tensor:
     n = blocks.shape[0]
     d, dmin = _k_scales(blocks)
-    q = _low_high(blocks[:, 16:], 32).reshape(n, 8, 32).to(torch.float32)
+    q = low_high_nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).to(torch.float32)
     return (d * q - dmin).reshape(n, 256)
 
 
@@ -162,7 +162,7 @@ def _q5_k(blocks: Tensor) -> Tensor:
     n = blocks.shape[0]
     d, dmin = _k_scales(blocks)
     high = _bit_planes(blocks[:, 16:48])  # [n, 8, 32]: plane g = high bit of sub-block g
-    low = _low_high(blocks[:, 48:], 32).reshape(n, 8, 32)
+    low = low_high_nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.float32)
     return (d * q - dmin).reshape(n, 256)
 
@@ -196,7 +196,7 @@ def _q3_k(blocks: Tensor) -> Tensor:
 
 def _q6_k(blocks: Tensor) -> Tensor:
     n = blocks.shape[0]
-    low = _low_high(blocks[:, :128], 64).reshape(n, 8, 32)
+    low = low_high_nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
     high_bytes = blocks[:, 128:192].reshape(n, 2, 1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
     high = ((high_bytes >> shifts.reshape(1, 1, 4, 1)) & 0x3).reshape(n, 8, 32)

@@ -179,11 +179,17 @@ def dequantize_int_group(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
 
 
 def repack_to_qlens(payload: QuantPayload) -> QuantPayload:
-    """The same weight in the qlens int4/int8 layout, exactly (codes, zeros and scales kept).
+    """The same weight in the qlens int4/int8 layout, exactly (codes, zeros and scales kept):
+    GPTQ, AWQ and compressed-tensors integer payloads, and GGUF Q4_0 / Q8_0 blocks
+    (``qlens.quant.codecs.gguf_repack``).
 
     Zero points equal to the midpoint everywhere become the symmetric form. GPTQ act-order
     (a ``g_idx`` that is not ``k // group_size``) has no contiguous-group equivalent and raises.
     """
+    if payload.layout.get("packing") == "gguf":
+        from qlens.quant.codecs.gguf_repack import gguf_to_int_group
+
+        return gguf_to_int_group(payload)
     if payload.format.bits not in QLENS_INT_BITS:
         raise ValueError(
             f"only 4- and 8-bit integer payloads map to the qlens layout, got {payload.format.name}"
