@@ -11,13 +11,12 @@ bare arithmetic written for ``torch.compile`` (no validation), the strongest tor
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
-from qlens.kernels.timing import copy_bandwidth, header, time_eager, time_graph
+from qlens.kernels.timing import copy_bandwidth, header, publish, time_eager, time_graph
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
@@ -128,11 +127,7 @@ def main():
     if sweeps:
         out += ["", "## Tile sweep", "", *sweeps]
     out.append(f"\n- copy bandwidth re-measured at the end: {copy_bandwidth():.2f} TB/s")
-    text = "\n".join(out)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "dequant.md"), "w") as f:
-            f.write(text + "\n")
+    publish("\n".join(out), "dequant.md")
 
 
 if __name__ == "__main__":

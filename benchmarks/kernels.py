@@ -6,29 +6,18 @@ Run on a CUDA GPU: ``python benchmarks/kernels.py [--sweep] [--quick]``; prints 
 from __future__ import annotations
 
 import argparse
-import copy
-import os
 
 import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
-from qlens.kernels.timing import copies_for, header, time_graph
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
 from qlens.quant.quantize import quantize_weight
 
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 W4_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
-
-
-def clone_payload(p):
-    q = copy.copy(p)
-    for name in ("data", "scales", "zeros", "global_scale"):
-        t = getattr(p, name)
-        if t is not None:
-            setattr(q, name, t.clone())
-    return q
 
 
 def scaled_mm_blockwise(x, w_fp8, w_scales):
@@ -282,11 +271,7 @@ def main():
                 f"- {n}x{k}: "
                 + ", ".join(f"{s} {n * k * b / res[s] / 1e6:.2f}" for s, b in bw.items())
             )
-    text = "\n".join(out)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels.md"), "w") as f:
-            f.write(text + "\n")
+    publish("\n".join(out), "kernels.md")
 
 
 if __name__ == "__main__":

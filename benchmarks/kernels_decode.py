@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import copies_for, header, time_graph
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
@@ -47,15 +46,7 @@ def _safe(what: str, fn: Callable[[], float]) -> float:
 
 
 def _copies(p, count):
-    out = [p]
-    for _ in range(count - 1):
-        q = copy.copy(p)
-        for name in ("data", "scales", "zeros", "global_scale"):
-            t = getattr(p, name)
-            if t is not None:
-                setattr(q, name, t.clone())
-        out.append(q)
-    return out
+    return [p] + [clone_payload(p) for _ in range(count - 1)]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -212,11 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch sweep")
     args = parser.parse_args()
-    text = bench(not args.no_sweep, torch.device("cuda"))
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels_decode_h200.md"), "w") as f:
-            f.write(text + "\n")
+    publish(bench(not args.no_sweep, torch.device("cuda")), "kernels_decode_h200.md")
 
 
 if __name__ == "__main__":

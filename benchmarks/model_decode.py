@@ -8,14 +8,11 @@ fused qkv [6144, 4096], o [4096, 4096], fused gate_up [28672, 4096] and down [40
 
 from __future__ import annotations
 
-import copy
-import os
-
 import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import header, time_graph
+from qlens.kernels.timing import clone_payload, header, publish, time_graph
 from qlens.quant.quantize import quantize_weight
 
 LAYERS = 32
@@ -28,15 +25,6 @@ SCHEMES = (
     ("mxfp4", "mxfp4", {}, False),
     ("nvfp4", "nvfp4", {}, False),
 )
-
-
-def _clone(payload):
-    out = copy.copy(payload)
-    for name in ("data", "scales", "zeros", "global_scale"):
-        t = getattr(payload, name)
-        if t is not None:
-            setattr(out, name, t.clone())
-    return out
 
 
 def _step(layer_fns, x_in):
@@ -83,7 +71,7 @@ def main():
     print(out[-1], flush=True)
     for name, scheme, options, w8a8 in SCHEMES:
         first = [quantize_weight(w, scheme, **options) for w in base]
-        layers = [first] + [[_clone(p) for p in first] for _ in range(LAYERS - 1)]
+        layers = [first] + [[clone_payload(p) for p in first] for _ in range(LAYERS - 1)]
         nbytes = sum(p.nbytes for layer in layers for p in layer)
         fns = [
             [lambda a, p=p, w8=w8a8: quantized_linear(a, p, w8a8=w8) for p in layer]
@@ -97,11 +85,7 @@ def main():
         print(out[-1], flush=True)
         del layers, fns, first
         torch.cuda.empty_cache()
-    text = "\n".join(out)
-    print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "model_decode.md"), "w") as f:
-            f.write(text + "\n")
+    publish("\n".join(out), "model_decode.md")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
+
+from qlens.quant.payload import QuantPayload
 
 
 def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
@@ -88,3 +92,21 @@ def header(title: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def clone_payload(payload: QuantPayload) -> QuantPayload:
+    """A copy of ``payload`` with its own tensors (one more weight to rotate through)."""
+    out = copy.copy(payload)
+    for name in ("data", "scales", "zeros", "global_scale"):
+        t = getattr(payload, name)
+        if t is not None:
+            setattr(out, name, t.clone())
+    return out
+
+
+def publish(text: str, filename: str) -> None:
+    """Print a benchmark's markdown and, when ``$OUT`` is set, also write it to ``$OUT/filename``."""
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], filename), "w") as f:
+            f.write(text + "\n")
