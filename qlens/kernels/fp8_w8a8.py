@@ -12,7 +12,7 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.launch import on_device
-from qlens.kernels.linear import reduce_splits
+from qlens.kernels.linear import grouped_tile, reduce_splits
 from qlens.kernels.numerics import cast_out, f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import FP8_BLOCK, KernelWeight
@@ -74,15 +74,8 @@ def _fp8_block_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
