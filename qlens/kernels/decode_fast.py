@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from qlens.kernels.decode import INT4_C, _expand, _group_values, _scales, _tile_groups
-from qlens.kernels.linear import _dot_acc
-from qlens.kernels.numerics import cast_out
+from qlens.kernels.linear import _dot_acc, store_tile
 
 # Per register pair p (codes p and p + 4 of a word): left shifts (negative: right) that move the
 # magnitude bits to fp16 bits 11..9 and the sign to bit 15 of each 16-bit half.
@@ -291,13 +290,5 @@ def packed_gemv_kernel(
                 GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM,
             )  # fmt: skip
         total = tl.sum(acc, axis=2)
-    n_ok = offs_n < N
-    mask = (offs_m < M)[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = cast_out(total, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    else:
-        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(partial, total, mask=mask)
+    store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
+               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

@@ -12,8 +12,8 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.launch import on_device
-from qlens.kernels.linear import grouped_tile, reduce_splits
-from qlens.kernels.numerics import cast_out, f32_to_e4m3_bits
+from qlens.kernels.linear import grouped_tile, reduce_splits, store_tile
+from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import FP8_BLOCK, KernelWeight
 from qlens.quant.codecs.elements import decode_e8m0
@@ -109,15 +109,8 @@ def _fp8_block_gemm_kernel(
             d = tl.dot(a, tl.trans(w))
         acc += d * a_s[:, None] * w_s.to(tl.float32)[None, :]
 
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    else:
-        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(partial, acc, mask=mask)
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
+               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 def fp8_block_w8a8_linear(

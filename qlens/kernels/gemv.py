@@ -23,8 +23,7 @@ from qlens.kernels.configs import GEMV_MAX_M, LinearConfig
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.linear import reduce_splits, weight_only_linear
-from qlens.kernels.numerics import cast_out
+from qlens.kernels.linear import reduce_splits, store_tile, weight_only_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
 
@@ -71,14 +70,8 @@ def _gemv_kernel(
             x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
-    n_mask = offs_n < N
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        out = cast_out(total, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
-    else:
-        tl.store(out_ptr + pid_k * stride_split + row * stride_om + offs_n, total, mask=n_mask)
+    store_tile(total[None, :], out_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M, N, stride_om,
+               stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 WORD_GEMV_ENV = "QLENS_WORD_GEMV"

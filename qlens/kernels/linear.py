@@ -43,6 +43,24 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 @no_type_check
+def store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
+               HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Write a float32 ``[rows, cols]`` tile: plus bias, in the output dtype, when K is not split;
+    otherwise as the float32 partial of split ``pid_k`` (``reduce_splits`` finishes it)."""
+    n_ok = offs_n < N
+    mask = (offs_m < M)[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = cast_out(total, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    else:
+        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(partial, total, mask=mask)
+
+
+@triton.jit
+@no_type_check
 def _weight_only_kernel(
     x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
@@ -93,16 +111,8 @@ def _weight_only_kernel(
             )
             acc = _dot_acc(x, w, acc, INTERPRET)
 
-    n_mask = offs_n < N
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    else:
-        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(partial, acc, mask=mask)
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
+               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 @triton.jit
