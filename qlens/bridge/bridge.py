@@ -162,6 +162,19 @@ class Bridge:
         for point in self.hook_dict.values():
             point.remove_hooks()
 
+    def _add_hooks(
+        self,
+        handles: list[HookHandle],
+        fwd_hooks: Sequence[HookSpec],
+        bwd_hooks: Sequence[HookSpec],
+    ) -> None:
+        """Add the hooks, appending each handle to ``handles`` as it is made, so that the caller
+        removes those already added when a later one fails."""
+        for target, fn in fwd_hooks:
+            handles += self.add_hook(target, fn, "fwd")
+        for target, fn in bwd_hooks:
+            handles += self.add_hook(target, fn, "bwd")
+
     @contextlib.contextmanager
     def hooks(
         self, fwd_hooks: Sequence[HookSpec] = (), bwd_hooks: Sequence[HookSpec] = ()
@@ -169,10 +182,7 @@ class Bridge:
         """Hooks active inside the ``with`` block (including backward passes run there)."""
         handles: list[HookHandle] = []
         try:
-            for target, fn in fwd_hooks:
-                handles += self.add_hook(target, fn, "fwd")
-            for target, fn in bwd_hooks:
-                handles += self.add_hook(target, fn, "bwd")
+            self._add_hooks(handles, fwd_hooks, bwd_hooks)
             yield self
         finally:
             for handle in handles:
@@ -418,10 +428,7 @@ class Bridge:
         is False (keep them to run a backward pass through ``bwd_hooks``, or use ``hooks()``)."""
         handles: list[HookHandle] = []
         try:
-            for target, fn in fwd_hooks:
-                handles += self.add_hook(target, fn, "fwd")
-            for target, fn in bwd_hooks:
-                handles += self.add_hook(target, fn, "bwd")
+            self._add_hooks(handles, fwd_hooks, bwd_hooks)
             return self.forward(input, **forward_kwargs)
         finally:
             if reset_hooks_end:

@@ -97,6 +97,10 @@ def test_hooks_context_cleans_up_even_on_error() -> None:
         with bridge.hooks(fwd_hooks=[("hook_embed", lambda x, hook: None), ("bad", print)]):
             pass
     assert not any(p.is_active for p in bridge.hook_dict.values())
+    with pytest.raises(KeyError):  # run_with_hooks: the hook added before the bad one goes too
+        bridge.run_with_hooks(TOKENS, fwd_hooks=[("hook_embed", lambda x, hook: None)],
+                              bwd_hooks=[("bad", print)])  # fmt: skip
+    assert not any(p.is_active for p in bridge.hook_dict.values())
 
 
 def test_add_hook_persists_until_reset() -> None:
