@@ -118,7 +118,11 @@ def time_interleaved(
 def qlens_variants(plain_model, bridged_model, tokens) -> dict[str, Callable[[], object]]:
     from qlens import Bridge
 
-    bridge = Bridge(bridged_model)
+    return same_work(plain_model, Bridge(bridged_model), tokens)
+
+
+def same_work(plain_model, bridge, tokens) -> dict[str, Callable[[], object]]:
+    """The four variants, for any bridge with ``__call__`` and ``run_with_cache(names_filter=)``."""
     return {
         "plain HF": lambda: plain_model(input_ids=tokens, use_cache=False),
         "no hooks": lambda: bridge(tokens),
@@ -163,14 +167,7 @@ def transformer_lens_variants(plain_model, bridged_model, tokens, tokenizer):
         device=str(tokens.device),
         dtype=bridged_model.dtype,
     )
-    return {
-        "plain HF": lambda: plain_model(input_ids=tokens, use_cache=False),
-        "no hooks": lambda: bridge(tokens),
-        "cache residual stream": lambda: bridge.run_with_cache(
-            tokens, names_filter=is_residual_hook
-        ),
-        "cache everything": lambda: bridge.run_with_cache(tokens),
-    }
+    return same_work(plain_model, bridge, tokens)
 
 
 def load_pair(model_dir: str, dtype: torch.dtype, device: str):
