@@ -5,19 +5,9 @@ Gemma 2 also soft-caps attention logits, Gemma 3 normalizes q and k.
 """
 
 from qlens.bridge.adapters.base import Adapter, LayerPaths
-from qlens.bridge.adapters.llama import LLAMA_LAYER
+from qlens.bridge.adapters.llama import LLAMA, LLAMA_LAYER
 
-GEMMA = Adapter(
-    family="gemma",
-    embed="model.embed_tokens",
-    layers="model.layers",
-    ln_final="model.norm",
-    unembed="lm_head",
-    layer=LLAMA_LAYER,
-    normalization_type="RMS",
-    positional_embedding_type="rotary",
-    norm_weight_offset=1.0,
-)
+GEMMA = Adapter(**{**LLAMA.__dict__, "family": "gemma", "norm_weight_offset": 1.0})
 
 GEMMA2_LAYER = LayerPaths(
     **{
