@@ -64,19 +64,15 @@ def original_attention_fn(module: nn.Module, implementation: str | None) -> Call
     return sdpa_attention_forward
 
 
-def uses_sdpa_masks(implementation: str | None) -> bool:
-    """Whether ``original_attention_fn`` gives an SDPA function for ``implementation``."""
-    return implementation not in (None, "eager")
-
-
-def mask_like_fast_path(config: Any, sdpa_masks: bool) -> None:
-    """Build ``config``'s masks for its fast function while qlens attention is switched on:
-    SDPA's (``None`` when causal attention needs no mask, so SDPA keeps its fused causal
-    kernels) or HF's eager additive mask."""
-    if sdpa_masks:
-        _SDPA_MASKED.add(id(config))
-    else:
+def mask_like_fast_path(config: Any, implementation: str | None) -> None:
+    """Build ``config``'s masks for the fast function ``original_attention_fn`` gives for its
+    ``implementation`` while qlens attention is switched on: SDPA's (``None`` when causal
+    attention needs no mask, so SDPA keeps its fused causal kernels) or HF's eager additive
+    mask for the eager function."""
+    if implementation in (None, "eager"):
         _SDPA_MASKED.discard(id(config))
+    else:
+        _SDPA_MASKED.add(id(config))
 
 
 def forget_mask_style(config: Any) -> None:

@@ -230,8 +230,7 @@ class Bridge:
                     tap.fast_fn = attention.original_attention_fn(attn, saved[id(attn.config)])
                     attention.install_tap(attn, tap)
                 for config in configs.values():
-                    sdpa_masks = attention.uses_sdpa_masks(saved[id(config)])
-                    attention.mask_like_fast_path(config, sdpa_masks)
+                    attention.mask_like_fast_path(config, saved[id(config)])
                     config._attn_implementation = attention.IMPLEMENTATION
             yield
         finally:

@@ -21,6 +21,13 @@ from qlens.quant.codecs.checks import ceil_div
 Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
 
 
+def require_tile_sizes(**sizes: int) -> None:
+    """Raise unless every tile size is a power of two >= 16 (Triton's ``tl.arange`` bound)."""
+    for name, value in sizes.items():
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
 @dataclass(frozen=True)
 class LinearConfig:
     """Tile sizes and launch parameters of one quantized linear launch."""
@@ -35,10 +42,7 @@ class LinearConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        require_tile_sizes(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k)
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 

@@ -9,6 +9,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.configs import require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.dequant_bitnet import BITNET_FORMATS, dequantize_bitnet_triton
 from qlens.kernels.dequant_bnb import BNB_FORMATS, dequantize_bnb_triton
@@ -78,10 +79,7 @@ class DequantLaunch:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        require_tile_sizes(block_n=self.block_n, block_k=self.block_k)
 
 
 # GPU default: the best tile overall of the sweep in benchmarks/results/dequant_h200.md (H200).

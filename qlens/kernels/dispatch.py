@@ -72,16 +72,15 @@ def quantized_linear(
 
         words = not w8a8 and word_view(w) is not None
         config = choose_config(m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words)
-    cfg = config
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
-        out = fp8_block_w8a8_linear(x2, w, bias, cfg)
-    elif cfg.path == "gemv":
+        out = fp8_block_w8a8_linear(x2, w, bias, config)
+    elif config.path == "gemv":
         from qlens.kernels.gemv import gemv_linear
 
-        out = gemv_linear(x2, w, bias, cfg)
-    elif cfg.path == "dequant":
+        out = gemv_linear(x2, w, bias, config)
+    elif config.path == "dequant":
         from qlens.kernels.dequant import dequantize_triton
 
         b = None if bias is None else bias.to(x.dtype)
@@ -89,5 +88,5 @@ def quantized_linear(
     else:
         from qlens.kernels.linear import weight_only_linear
 
-        out = weight_only_linear(x2, w, bias, cfg)
+        out = weight_only_linear(x2, w, bias, config)
     return out.reshape(*lead, w.n)

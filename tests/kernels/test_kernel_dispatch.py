@@ -26,6 +26,10 @@ def test_config_validation():
         LinearConfig("gemm", 48, 64, 64)
     with pytest.raises(ValueError, match="split_k"):
         LinearConfig("splitk", 16, 64, 64, split_k=0)
+    from qlens.kernels.dequant import DequantLaunch
+
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 8"):
+        DequantLaunch(32, 8)
 
 
 def test_supports():
