@@ -89,9 +89,14 @@ def row_bytes(ggml_type: GgmlType, n_cols: int) -> int:
     return n_cols // ggml_type.block_size * ggml_type.type_size
 
 
+def block_f16(blocks: Tensor, start: int) -> Tensor:
+    """The little-endian float16 at byte ``start`` of each block, ``[blocks, 1]``."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16)
+
+
 def _f16(blocks: Tensor, start: int) -> Tensor:
-    """The little-endian float16 at byte ``start`` of each block, as float32 ``[blocks, 1]``."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+    """``block_f16`` as float32."""
+    return block_f16(blocks, start).to(torch.float32)
 
 
 def low_high_nibbles(packed: Tensor, width: int) -> Tensor:

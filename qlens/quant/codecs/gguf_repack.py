@@ -13,6 +13,7 @@ import torch
 from qlens.quant.codecs.gguf import (
     Q4_0,
     Q8_0,
+    block_f16,
     gguf_input_permutation,
     low_high_nibbles,
     validate_gguf_payload,
@@ -42,7 +43,7 @@ def gguf_to_int_group(payload: QuantPayload) -> QuantPayload:
         )
     lead = tuple(int(s) for s in payload.shape[:-1])
     blocks = payload.data.reshape(-1, ggml_type.type_size)
-    scales = blocks[:, :2].contiguous().view(torch.float16).reshape(*lead, k // GROUP)
+    scales = block_f16(blocks, 0).reshape(*lead, k // GROUP)
     if ggml_type is Q4_0:
         codes = low_high_nibbles(blocks[:, 2:], 16)
         bits = 4
