@@ -32,9 +32,12 @@ SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 COPY_TBPS = 4.27  # device-to-device copy ceiling measured on this H200 (DESIGN.md section 5)
 # Word-wise GEMV launches swept on the largest layer: (M, BLOCK_N, BLOCK_K, warps).
+# At M = 1, BLOCK_K = 1024 * warps puts the warps side by side along K, so that x takes the
+# words' layout (each thread reuses its x registers for all its rows).
 SWEEP = tuple((1, *t) for t in (
-    (32, 1024, 4), (32, 2048, 4), (16, 2048, 4), (64, 1024, 4), (16, 4096, 4), (64, 512, 4),
-)) + tuple((16, *t) for t in ((64, 128, 4), (128, 128, 4), (256, 128, 8)))  # fmt: skip
+    (1, 4096, 4), (2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (2, 2048, 2), (4, 2048, 2),
+    (8, 1024, 1), (4, 1024, 1),
+)) + tuple((16, *t) for t in ((64, 128, 4), (128, 128, 4)))  # fmt: skip
 
 
 def _safe(what: str, fn: Callable[[], float]) -> float:
@@ -60,17 +63,22 @@ def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfi
 
 
 @contextlib.contextmanager
-def word_gemv(on: bool) -> Iterator[None]:
-    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
-    before = os.environ.get(WORD_GEMV_ENV)
-    os.environ[WORD_GEMV_ENV] = "1" if on else "0"
+def env(name: str, value: str) -> Iterator[None]:
+    """Environment variable ``name`` set to ``value`` within the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(WORD_GEMV_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[WORD_GEMV_ENV] = before
+            os.environ[name] = before
+
+
+def word_gemv(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
+    return env(WORD_GEMV_ENV, "1" if on else "0")
 
 
 def _time_linear(ps, x, cfg=None) -> float:
@@ -148,7 +156,10 @@ def bench(sweep: bool, dev: torch.device) -> str:
                         f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: _time_linear(ps, x, c)
                     )
                 sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
-                print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)
+                print(
+                    f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->",
+                    flush=True,
+                )
         del bf16, payloads, w, layers
         torch.cuda.empty_cache()
     return render(rows, checks, sweep_rows)

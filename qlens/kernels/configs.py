@@ -21,11 +21,12 @@ from qlens.quant.codecs.checks import ceil_div
 Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
 
 
-def require_tile_sizes(**sizes: int) -> None:
-    """Raise unless every tile size is a power of two >= 16 (Triton's ``tl.arange`` bound)."""
+def require_tile_sizes(minimum: int = 16, **sizes: int) -> None:
+    """Raise unless every tile size is a power of two (``tl.arange``) of at least ``minimum``
+    (16 wherever the tile may meet a tensor-core dot)."""
     for name, value in sizes.items():
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if value < minimum or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class LinearConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        require_tile_sizes(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k)
+        require_tile_sizes(block_m=self.block_m, block_k=self.block_k)
+        # The FMA GEMV also runs narrow column tiles; dots (more rows) check their own.
+        require_tile_sizes(4 if self.path == "gemv" else 16, block_n=self.block_n)
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
@@ -54,13 +57,15 @@ SPLITK_MAX_M = 64
 
 # H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
-# whole int32 words take the word-wise GEMV of decode_fast.py: FMAs up to 4 rows, whose best tile
-# streams 32 KB of codes per K step (32 x 1024: int4 65 us vs 100 us for the byte-wise kernel),
-# and tensor-core dots per code position up to 16 rows. Other weights take the byte-wise GEMV up
-# to 4 rows and the tensor-core split-K up to 32. Larger batches dequantize once and multiply
-# with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the
-# Triton split-K from M = 64 on three of the four benchmark shapes).
+# whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
+# warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
+# kernel); FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
+# rows. Other weights take the byte-wise GEMV up to 4 rows and the tensor-core split-K up to 32.
+# Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to
+# cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
+# benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (1, "gemv", 16, 4, 1024, 1, 3),
     (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 3),
     (16, "gemv", 16, 64, 128, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),

@@ -13,8 +13,12 @@ hot loop) and every code is decoded exactly in a few integer operations:
 
 Up to a few rows, each code meets all rows of ``x`` in float32 FMAs; the products of one tile
 are summed per word and multiplied by the group scale once per word instead of once per code.
-For more rows the decoded, scaled codes feed tensor-core dots, one per code position.
-``x`` arrives regrouped by code position (``qlens.kernels.gemv.permute_codes``).
+For one row the product is ``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps
+side by side along K (``BLOCK_K = 1024 * num_warps``) both take the same register layout, so
+each thread reuses its activations for all its rows (other tiles stay correct but pay a
+shared-memory exchange per code position). For more rows the decoded, scaled codes feed
+tensor-core dots, one per code position. ``x`` arrives regrouped by code position
+(``qlens.kernels.gemv.permute_codes``).
 """
 
 from typing import no_type_check
@@ -158,60 +162,100 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 
 @triton.jit
 @no_type_check
-def _quad_offsets(offs_w):
-    """Offsets of code 0 of words ``offs_w`` in the regrouped activations (see permute_codes)."""
-    return (offs_w // 4) * 32 + offs_w % 4
+def _fma_operands(
+    words_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, ONE_ROW: tl.constexpr,
+):  # fmt: skip
+    """Words of one K tile (``[BLOCK_N, BLOCK_K / 8]`` for one row of ``x``, else
+    ``[1, BLOCK_N, BLOCK_K / 8]``) and their scales and zero points ``[BLOCK_N, BLOCK_K / 8]``."""
+    if ONE_ROW:
+        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+        words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w,
+                            K, MASK_K, MASK_N)  # fmt: skip
+    else:
+        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
+        words = _load_words(words_ptr, offs_n[None, :, None] * stride_w,
+                            (offs_n < N)[None, :, None], offs_w, K, MASK_K, MASK_N)  # fmt: skip
+    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    return words, scale, zero
 
 
 @triton.jit
 @no_type_check
-def _fma_tile(
-    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-    stride_xm, stride_w, stride_s,
-    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-    USE_ASM: tl.constexpr,
+def _fma_products(
+    acc, words, scale, zero, xp_ptr, offs_m, offs_n, k0, M, stride_xm, stride_xj,
+    FAMILY: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+    MASK_X: tl.constexpr, USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs.
+    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs
+    (``acc[n, i]`` for one row of ``x``).
 
-    Every operand is read in the product's own ``[M, N, words]`` shape (``x`` repeated along N,
-    served by L1), so no layout exchange through shared memory is needed inside the code loop.
-    ``x`` comes regrouped as float32 (``permute_codes``).
+    One row: ``x`` is read as ``[1, words]``, which takes the words' own layout (the warps
+    split N, so each thread holds its rows' words for the same K positions) and is reused from
+    registers for every row of the thread. Several rows: every operand is read in the product's
+    ``[M, N, words]`` shape (``x`` repeated along N, served by L1), so no layout exchange through
+    shared memory is needed inside the code loop. ``x`` comes regrouped as float32
+    (``permute_codes``).
     """
-    offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
-    n_ok = (offs_n < N)[None, :, None]
-    rows = offs_n[None, :, None] * stride_w
-    words = _load_words(words_ptr, rows, n_ok, offs_w, K, MASK_K, MASK_N)
-    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
-                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
-    if HAS_ZEROS:
-        zero = zero[None, :, :]
+    if ONE_ROW:
+        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
+        x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
+        scale_b = scale
+    else:
+        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
+        rows = offs_n[None, :, None]
+        if HAS_ZEROS:
+            zero = zero[None, :, :]
+        x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + offs_w + 0 * rows
+        x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xj) & (rows >= 0)
+        scale_b = scale[None, :, :]
     state = _code_values(words, FAMILY, USE_ASM)
-    x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + _quad_offsets(offs_w) + 0 * rows
-    x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xm // 8) & (rows >= 0)
     for j in tl.static_range(8):
-        if MASK_K or MASK_M:
-            x = tl.load(x_ptrs + 4 * j, mask=x_mask, other=0.0)
+        if MASK_X:
+            x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0)
         else:
-            x = tl.load(x_ptrs + 4 * j)
+            x = tl.load(x_ptrs + j * stride_xj)
         w = _code(state, zero, j, FAMILY, USE_ASM)
         if j == 0:
             part = w * x
         else:
             part += w * x
     if FAMILY == INT4_C:
-        return acc + part * scale[None, :, :]
+        return acc + part * scale_b
     else:
-        return acc + (part * _FACTOR_C) * scale[None, :, :]
+        return acc + (part * _FACTOR_C) * scale_b
+
+
+@triton.jit
+@no_type_check
+def _fma_tile(
+    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+    stride_xm, stride_xj, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
+    USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
+):  # fmt: skip
+    """Load and multiply one K tile (``_fma_operands`` then ``_fma_products``)."""
+    words, scale, zero = _fma_operands(
+        words_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_w, stride_s, FAMILY,
+        GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_K, MASK_N, ONE_ROW,
+    )  # fmt: skip
+    return _fma_products(acc, words, scale, zero, xp_ptr, offs_m, offs_n, k0, M, stride_xm,
+                         stride_xj, FAMILY, HAS_ZEROS, BLOCK_K, MASK_K or MASK_M, USE_ASM,
+                         ONE_ROW)  # fmt: skip
 
 
 @triton.jit
 @no_type_check
 def _dot_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-    stride_xm, stride_w, stride_s,
+    stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
@@ -226,10 +270,10 @@ def _dot_tile(
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
-    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + _quad_offsets(offs_w)
-    x_mask = (offs_m < M)[:, None] & (offs_w < stride_xm // 8)
+    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
+    x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
     for j in tl.static_range(8):
-        x = tl.load(x_ptrs + 4 * j, mask=x_mask, other=0.0).to(X_DTYPE)
+        x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0).to(X_DTYPE)
         w = _code(state, zero, j, FAMILY, USE_ASM)
         if FAMILY == INT4_C:
             w = w * scale
@@ -243,7 +287,7 @@ def _dot_tile(
 @no_type_check
 def packed_gemv_kernel(
     xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_w, stride_s, stride_om, stride_split,
+    M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
@@ -265,30 +309,40 @@ def packed_gemv_kernel(
         for k0 in range(k_begin, k_full, BLOCK_K):
             acc = _dot_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
-                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE,
+                INTERPRET,
             )  # fmt: skip
         if k_full < k_end:
             acc = _dot_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
+                M, N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE,
+                INTERPRET,
             )  # fmt: skip
         total = acc
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        ONE_ROW: tl.constexpr = BLOCK_M == 1
+        if ONE_ROW:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in range(k_begin, k_full, BLOCK_K):
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
-                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_M, MASK_N, USE_ASM,
+                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_M, MASK_N, USE_ASM,
+                ONE_ROW,
             )  # fmt: skip
         if k_full < k_end:
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM,
+                M, N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM, ONE_ROW,
             )  # fmt: skip
-        total = tl.sum(acc, axis=2)
+        if ONE_ROW:
+            total = tl.sum(acc, axis=1)[None, :]
+        else:
+            total = tl.sum(acc, axis=2)
     store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
                HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

@@ -98,10 +98,10 @@ def test_int4_magic_decode_emulated_exactly():
 def test_permute_codes_layout():
     x = torch.randn(3, 77)
     out = permute_codes(x, for_dot=False)
-    assert out.shape == (3, 3, 8, 4) and out.dtype == torch.float32
+    assert out.shape == (3, 8, 12) and out.dtype == torch.float32  # 10 words padded to 12
     padded = F.pad(x, (0, 96 - 77))
-    for q, j, r in ((0, 0, 0), (1, 5, 3), (2, 7, 1), (2, 4, 2)):
-        assert torch.equal(out[:, q, j, r], padded[:, 8 * (4 * q + r) + j])
+    for j, w in ((0, 0), (5, 7), (7, 11), (4, 9)):
+        assert torch.equal(out[:, j, w], padded[:, 8 * w + j])
     half = permute_codes(x.bfloat16(), for_dot=True)
     assert half.dtype == torch.bfloat16 and torch.equal(half.float(), permute_codes(
         x.bfloat16(), for_dot=False))  # fmt: skip
@@ -114,13 +114,15 @@ def _reference(x, payload, bias=None):
 
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
 def test_packed_gemv_matches_reference(case):
-    # K = 328: a full 256-wide tile plus a ragged tail; N = 40: a partial N tile.
+    # K = 328: one or five full tiles plus a ragged tail; N = 40: a partial N tile.
     payload = quantized(40, 328, case)
     assert word_view(kernel_weight(payload)) is not None  # the word-wise kernel serves it
     bias = torch.randn(40)
-    for m, split in ((1, 1), (5, 2), (17, 1)):
+    for m, split, block_n, block_k in (
+        (1, 1, 32, 256), (1, 2, 4, 64), (3, 1, 32, 64), (5, 2, 32, 64), (17, 1, 32, 256)
+    ):  # fmt: skip
         x = torch.randn(m, 328)
-        cfg = LinearConfig("gemv", 16, 32, 256, split_k=split)
+        cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
         out = quantized_linear(x, payload, bias, config=cfg)
         assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
 

@@ -97,6 +97,8 @@ WORD_LAUNCHES = (
     LinearConfig("gemv", 16, 16, 1024, num_warps=8),
     LinearConfig("gemv", 16, 64, 128, split_k=3),
     LinearConfig("gemv", 16, 128, 256, num_warps=8, split_k=2),
+    LinearConfig("gemv", 16, 8, 4096, num_warps=4),
+    LinearConfig("gemv", 16, 16, 1024, num_warps=1, split_k=2),
 )
 
 
@@ -104,7 +106,7 @@ WORD_LAUNCHES = (
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
     """The word-wise GEMV (FMAs up to 4 rows, tensor-core dots beyond) on whole-word rows."""
-    from qlens.kernels.gemv import WORD_GEMV_ENV, word_view
+    from qlens.kernels.gemv import FMA_MAX_ROWS, WORD_GEMV_ENV, word_view
 
     monkeypatch.setenv(WORD_GEMV_ENV, "1")
     p = quantized(300, 1024, case).to("cuda")
@@ -115,7 +117,30 @@ def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
         x = torch.randn(m, 1024, device="cuda").to(dtype)
         ref = torch.nn.functional.linear(x.double(), weight, bias.double())
         for cfg in WORD_LAUNCHES:
+            if m > FMA_MAX_ROWS and cfg.block_n < 16:
+                continue  # tensor-core dots take no narrow tiles (test_config_validation)
             assert rel_err(quantized_linear(x, p, bias, config=cfg), ref) < TOLERANCE[dtype], (
                 m,
                 cfg,
             )
+
+
+@pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
+def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
+    """Several full K tiles and a ragged tail (K = 2 * 4096 + 256) on the one-row layouts."""
+    from qlens.kernels.gemv import WORD_GEMV_ENV
+
+    monkeypatch.setenv(WORD_GEMV_ENV, "1")
+    p = quantized(72, 8448, case).to("cuda")
+    weight = dequantize(p, torch.float64)
+    for m in (1, 3):
+        x = torch.randn(m, 8448, device="cuda").to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), weight)
+        for cfg in (
+            LinearConfig("gemv", 16, 8, 4096),
+            LinearConfig("gemv", 16, 4, 1024, num_warps=1),
+            LinearConfig("gemv", 16, 8, 1024, num_warps=1, split_k=3),
+            LinearConfig("gemv", 16, 32, 1024),
+        ):
+            out = quantized_linear(x, p, config=cfg)
+            assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (m, cfg)

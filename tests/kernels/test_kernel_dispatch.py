@@ -30,6 +30,14 @@ def test_config_validation():
 
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 8"):
         DequantLaunch(32, 8)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
+        LinearConfig("splitk", 16, 8, 64)
+    narrow = LinearConfig("gemv", 16, 8, 64)  # FMA GEMV tiles may be narrow...
+    payload = quantized(16, 64, ("int4", {"group_size": 32}))
+    x = torch.randn(2, 64)
+    assert quantized_linear(x, payload, config=narrow).shape == (2, 16)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
+        quantized_linear(torch.randn(8, 64), payload, config=narrow)  # ...not tensor-core ones
 
 
 def test_supports():
@@ -75,12 +83,14 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     gpu = torch.device("cuda")
     word = choose_config(1, 28672, 8192, gpu, packed_words=True)
     byte = choose_config(1, 28672, 8192, gpu)
-    assert (word.path, word.block_n, word.block_k, word.split_k) == ("gemv", 32, 1024, 1)
+    assert (word.path, word.block_n, word.block_k, word.split_k) == ("gemv", 4, 1024, 1)
+    two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)
+    assert (two_rows.block_n, two_rows.block_k) == (32, 1024)
     assert (byte.path, byte.block_n, byte.block_k) == ("gemv", 32, 256)
     assert choose_config(16, 28672, 8192, gpu, packed_words=True).path == "gemv"
     assert choose_config(16, 28672, 8192, gpu).path == "splitk"
     assert choose_config(32, 28672, 8192, gpu, packed_words=True).path == "splitk"
     assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"
     # A small layer splits K until the grid covers the GPU, down to one long K step per split.
-    small = choose_config(1, 4096, 4096, gpu, packed_words=True)
+    small = choose_config(2, 4096, 4096, gpu, packed_words=True)
     assert small.split_k == 4  # 128 tiles x 4 splits of one 1024-wide K step each
