@@ -286,17 +286,29 @@ def _dot_tile(
 @triton.jit
 @no_type_check
 def packed_gemv_kernel(
-    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
+    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, ids_ptr,
     M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
+    stride_we, stride_se, stride_ge,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
     (few rows) or tensor-core dots in the activations' dtype ``X_DTYPE`` (``USE_DOT``,
-    ``BLOCK_M >= 16``)."""
+    ``BLOCK_M >= 16``).
+
+    ``EXPERTS`` (one row per program): row ``m`` multiplies the weight of expert
+    ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
+    lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart."""
+    if EXPERTS:
+        expert = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
+        words_ptr += expert * stride_we
+        scale_ptr += expert * stride_se
+        zero_ptr += expert * stride_se
+        global_ptr += expert * stride_ge
+        bias_ptr += expert * N
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)

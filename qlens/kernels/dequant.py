@@ -119,11 +119,11 @@ def dequantize_triton(
     if payload.format.name in _FORMAT_KERNELS:
         return _FORMAT_KERNELS[payload.format.name](payload, dtype)
     if len(payload.shape) == 3:
-        from qlens.kernels.experts import expert_payload
+        from qlens.quant.modules.expert_payloads import select_expert
 
         experts = range(payload.shape[0])
         return torch.stack(
-            [dequantize_triton(expert_payload(payload, e), dtype, launch=launch) for e in experts]
+            [dequantize_triton(select_expert(payload, e), dtype, launch=launch) for e in experts]
         )
     w = kernel_weight(payload)
     require_kernel_device(w.data.device)

@@ -1,35 +1,48 @@
-"""Mixture-of-experts linears: tokens grouped by expert, one quantized linear per used expert."""
+"""Mixture-of-experts linears: one launch for few (token, expert) rows, else one per used expert."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
+from qlens.kernels.gemv import ExpertRows, experts_gemv, word_view
+from qlens.kernels.weights import KernelWeight, kernel_weight, unsupported_reason
+from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.payload import QuantPayload
 
+# Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
+# the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
+FUSED_EXPERT_ROWS = 64
 
-def expert_payload(payload: QuantPayload, expert: int) -> QuantPayload:
-    """The 2-D ``[out, in]`` payload of one expert of an ``[experts, out, in]`` payload."""
-    if len(payload.shape) != 3:
-        raise ValueError(
-            f"expert payloads have shape [experts, out, in], got {list(payload.shape)}"
-        )
+
+def stacked_experts(
+    payload: QuantPayload, expert_ids: Integer[Tensor, " t"]
+) -> tuple[KernelWeight, ExpertRows] | None:
+    """The kernel view of an ``[experts, out, in]`` packed 4-bit payload as its first expert's
+    weight plus the rows' experts and the strides to them, or ``None`` when the one-launch GEMV
+    cannot read it (other formats, rows that are not whole words, non-contiguous tensors)."""
+    experts, n, k = (int(s) for s in payload.shape)
+    tensors = [t for t in (payload.data, payload.scales, payload.zeros) if t is not None]
     g = payload.global_scale
-    if g is not None and g.numel() > 1:
-        g = g.reshape(-1)[expert]
-    return replace(
-        payload,
-        data=payload.data[expert],
-        shape=tuple(payload.shape[1:]),
-        scales=None if payload.scales is None else payload.scales[expert],
-        zeros=None if payload.zeros is None else payload.zeros[expert],
-        global_scale=g,
-        extras={},
+    if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
+        return None
+    per_expert_global = g is not None and g.numel() == experts and experts > 1
+    first = select_expert(payload, 0)
+    if unsupported_reason(first) is not None:
+        return None
+    w = kernel_weight(first)
+    if word_view(w) is None:
+        return None
+    rows = ExpertRows(
+        ids=expert_ids.to(torch.int32).contiguous(),
+        words=w.data.numel() // 4,
+        scales=w.scales.numel(),
+        global_scale=1 if per_expert_global else 0,
     )
+    return w, rows
 
 
 def experts_linear(
@@ -42,7 +55,9 @@ def experts_linear(
 ) -> Float[Tensor, "t n"]:
     """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]`` for an experts payload.
 
-    Tokens are sorted by expert and each used expert runs ``quantized_linear`` once on its
+    Up to ``FUSED_EXPERT_ROWS`` rows of packed 4-bit experts in whole int32 words take one
+    launch of the word-wise GEMV, each row reading its own expert's weight (decode). Otherwise
+    tokens are sorted by expert and each used expert runs ``quantized_linear`` once on its
     tokens (one launch per used expert; the dispatcher picks each launch's path by its count).
     """
     experts, n, k = (int(s) for s in payload.shape)
@@ -58,14 +73,23 @@ def experts_linear(
             f"expert_ids must lie in [0, {experts}), got range "
             f"[{int(expert_ids.min())}, {int(expert_ids.max())}]"
         )
+    fused = 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8
+    stacked = stacked_experts(payload, expert_ids) if fused else None
+    if stacked is not None:
+        w, rows = stacked
+        config = choose_config(1, n, k, x.device, packed_words=True)
+        b = None if bias is None else bias.contiguous()
+        return experts_gemv(x.contiguous(), w, rows, b, config)
     out = x.new_empty((x.shape[0], n))
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=experts).tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            rows = order[start : start + count]
+            token_rows = order[start : start + count]
             b = None if bias is None else bias[expert]
-            out[rows] = quantized_linear(x[rows], expert_payload(payload, expert), b, w8a8=w8a8)
+            out[token_rows] = quantized_linear(
+                x[token_rows], select_expert(payload, expert), b, w8a8=w8a8
+            )
             start += count
     return out

@@ -10,7 +10,7 @@ the strip from L2, not memory, and the product is reduced along K once at the en
 """
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import no_type_check
 
 import torch
@@ -114,36 +114,78 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
     return out
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of a weight whose experts are stacked as
+    consecutive blocks of rows: one expert's words, scales and global scale lie ``words``,
+    ``scales`` and ``global_scale`` elements apart (0: shared)."""
+
+    ids: Tensor
+    words: int
+    scales: int
+    global_scale: int
+
+
 def _packed_gemv(
     x: Float[Tensor, "m k"],
     w: KernelWeight,
     words: Tensor,
-    bias: Float[Tensor, " n"] | None,
+    bias: Float[Tensor, "..."] | None,
     cfg: LinearConfig,
     target: Tensor,
+    experts: ExpertRows | None = None,
 ) -> None:
     m, k = x.shape
-    use_dot = m > FMA_MAX_ROWS
+    use_dot = m > FMA_MAX_ROWS and experts is None
     if use_dot:
         require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
     xp = permute_codes(x, for_dot=use_dot)
-    block_m = max(16, cfg.block_m) if use_dot else _block_m(m, FMA_MAX_ROWS)
+    if experts is not None:
+        block_m = 1  # each row has its own expert
+    else:
+        block_m = max(16, cfg.block_m) if use_dot else _block_m(m, FMA_MAX_ROWS)
     split = cfg.split_k
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
     interpret = interpreting()
     packed_gemv_kernel[grid](
         xp, words, scales, zeros, global_scale, bias if bias is not None else x, target,
+        words if experts is None else experts.ids,
         m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
         target.stride(0) if split > 1 else 0,
+        *((0, 0, 0) if experts is None else (experts.words, experts.scales, experts.global_scale)),
         FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
-        INTERPRET=interpret,
+        EXPERTS=experts is not None, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+def experts_gemv(
+    x: Float[Tensor, "m k"],
+    w: KernelWeight,
+    experts: ExpertRows,
+    bias: Float[Tensor, "e n"] | None,
+    cfg: LinearConfig,
+) -> Float[Tensor, "m n"]:
+    """``out[m] = x[m] @ W[ids[m]].T + bias[ids[m]]`` in one launch of the word-wise GEMV.
+
+    ``w`` describes the first expert (``w.n`` rows); the others follow at ``experts``' strides.
+    ``cfg``'s K split is ignored: each program streams one expert's strip for one row.
+    """
+    words = word_view(w)
+    if words is None:
+        raise ValueError(
+            f"the one-launch experts GEMV needs packed 4-bit rows of whole int32 words, got "
+            f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
+        )
+    out = torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
+    with on_device(x.device):
+        _packed_gemv(x, w, words, bias, replace(cfg, split_k=1), out, experts)
+    return out
 
 
 def gemv_linear(

@@ -22,7 +22,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, payload_linear
+from qlens.quant.modules.dispatch import (
+    check_payload_device,
+    experts_in_one_launch,
+    payload_linear,
+)
 from qlens.quant.modules.expert_gate import ExpertGate
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.modules.routing import route_to_experts
@@ -195,8 +199,18 @@ def _experts_forward(
         h = payload_linear(x, select_expert(first, expert), _row(first_bias, expert))
         return payload_linear(activate(h), select_expert(down, expert), _row(down_bias, expert))
 
+    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+        from qlens.kernels import experts_linear
+
+        h = experts_linear(x, first, ids, first_bias)
+        return experts_linear(activate(h), down, ids, down_bias)
+
     num_experts = int(first.shape[0])
-    return route_to_experts(hidden_states, top_k_index, top_k_weights, num_experts, expert_fn)
+    one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
+    return route_to_experts(
+        hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,
+        rows_fn if one_launch else None,
+    )  # fmt: skip
 
 
 def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:

@@ -10,18 +10,62 @@ from qlens.kernels import dequantize_triton, experts_linear
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
+SCHEMES = (
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+    ("int4", {}),
+    ("int4", {"group_size": 32, "asymmetric": True}),
+)
 
-@pytest.mark.parametrize("scheme", ("mxfp4", "nvfp4", "int4"))
-def test_experts_linear_matches_per_token_reference(scheme):
+
+def _per_expert_global(payload):
+    """The same nvfp4 experts with one global scale per expert (as modelopt stores them)."""
+    from dataclasses import replace
+
+    experts = payload.shape[0]
+    return replace(payload, global_scale=payload.global_scale * torch.linspace(0.5, 2, experts))
+
+
+@pytest.mark.parametrize("fused", (True, False), ids=("one-launch", "per-expert"))
+@pytest.mark.parametrize(
+    "scheme", SCHEMES, ids=lambda s: s[0] + "".join(f"-{v}" for v in s[1].values())
+)
+def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
+    import qlens.kernels.experts as experts_module
+
+    calls = []
+    monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)
+    real = experts_module.experts_gemv
+    monkeypatch.setattr(
+        experts_module, "experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     gen = torch.Generator().manual_seed(0)
-    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), scheme)
-    x = torch.randn(10, 64, generator=gen)
+    name, kwargs = scheme
+    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), name, **kwargs)
+    payloads = [payload] + ([_per_expert_global(payload)] if name == "nvfp4" else [])
     ids = torch.tensor([3, 0, 3, 1, 0, 3, 3, 1, 0, 0])  # expert 2 unused
     bias = torch.randn(4, 24, generator=gen)
-    out = experts_linear(x, payload, ids, bias)
-    weights = dequantize(payload, torch.float64)  # [experts, out, in]
-    ref = torch.einsum("tk,tnk->tn", x.double(), weights[ids]) + bias.double()[ids]
-    assert rel_err(out, ref) < 1e-6
+    for p in payloads:
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+            x = torch.randn(10, 64, generator=gen).to(dtype)
+            out = experts_linear(x, p, ids, bias.to(dtype))
+            assert out.dtype == dtype
+            weights = dequantize(p, torch.float64)  # [experts, out, in]
+            ref = (
+                torch.einsum("tk,tnk->tn", x.double(), weights[ids]) + bias.to(dtype).double()[ids]
+            )
+            assert rel_err(out, ref) < tol, (p.global_scale, dtype)
+    assert len(calls) == (2 * len(payloads) if fused else 0)
+
+
+def test_experts_outside_whole_words_run_one_by_one(monkeypatch):
+    import qlens.kernels.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "experts_gemv", None)  # must not be reached
+    payload = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
+    x, ids = torch.randn(4, 90), torch.tensor([2, 0, 2, 1])
+    ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(payload, torch.float64)[ids])
+    assert rel_err(experts_linear(x, payload, ids), ref) < 1e-6
 
 
 def test_experts_linear_rejects_bad_expert_ids():

@@ -12,6 +12,7 @@ from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.dequantize import dequantize
+from qlens.quant.quantize import quantize_weight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -144,3 +145,21 @@ def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
         ):
             out = quantized_linear(x, p, config=cfg)
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (m, cfg)
+
+
+@pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
+def test_experts_one_launch_on_gpu(case):
+    """Few (token, expert) rows of stacked 4-bit experts in one word-wise GEMV launch."""
+    from qlens.kernels import experts_linear
+    from qlens.kernels.experts import stacked_experts
+
+    name, kwargs = case
+    torch.manual_seed(0)
+    p = quantize_weight(torch.randn(6, 200, 1024), name, **kwargs).to("cuda")
+    ids = torch.tensor([5, 0, 5, 2, 3, 0, 1], device="cuda")
+    assert stacked_experts(p, ids) is not None
+    weight = dequantize(p, torch.float64)
+    bias = torch.randn(6, 200, device="cuda").to(torch.bfloat16)
+    x = torch.randn(7, 1024, device="cuda").to(torch.bfloat16)
+    ref = torch.einsum("tk,tnk->tn", x.double(), weight[ids]) + bias.double()[ids]
+    assert rel_err(experts_linear(x, p, ids, bias), ref) < TOLERANCE[torch.bfloat16]

@@ -50,6 +50,36 @@ def test_matches_the_hf_experts_on_dequantized_weights(family: str) -> None:
         assert torch.equal(by_keyword, got)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("scheme", ["int4", "mxfp4", "nvfp4"])
+def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, monkeypatch) -> None:
+    """Few (token, route) rows on an accelerator take one experts-GEMV launch per projection
+    (faked here: the interpreter runs the kernels on CPU tensors); same result as the loop."""
+    import qlens.quant.modules.experts as experts_module
+
+    model = make_model(family)
+    quantized = quantize(model, scheme).get_submodule("model.layers.0.mlp.experts")
+    x = torch.randn(5, 128)
+    index, weights = _routing(5, 4)
+    index[1, 0] = 4  # a skipped route
+    with torch.no_grad():
+        loop = quantized(x, index, weights)
+        monkeypatch.setattr(experts_module, "experts_in_one_launch", lambda *a: True)
+        fused = quantized(x, index, weights)
+    torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4)
+
+
+def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS
+    from qlens.quant.modules.dispatch import experts_in_one_launch
+
+    payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
+    assert not experts_in_one_launch((payload,), torch.randn(2, 64), 2)  # CPU: reference path
+    meta = torch.empty(2, 64, device="meta")
+    assert not experts_in_one_launch((payload,), meta, FUSED_EXPERT_ROWS + 1)
+    assert not experts_in_one_launch((payload,), meta, 0)
+
+
 def test_select_expert_views_one_expert() -> None:
     weight = torch.randn(3, 32, 64)
     payload = quantize_weight(weight, "nvfp4")

@@ -32,6 +32,19 @@ def payload_linear(
     return kernels.reference_linear(x, payload, bias)
 
 
+def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: int) -> bool:
+    """True when ``rows`` (token, expert) pairs of fused experts ``payloads`` ``[experts, out,
+    in]`` can run through ``qlens.kernels.experts_linear`` on ``x``'s accelerator: few enough
+    rows for its one-launch GEMV, and formats the kernels read."""
+    from qlens import kernels
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS
+    from qlens.quant.modules.expert_payloads import select_expert
+
+    if x.device.type == "cpu" or not 0 < rows <= FUSED_EXPERT_ROWS:
+        return False
+    return all(kernels.supports(select_expert(p, 0), x.device) for p in payloads)
+
+
 _WARNED: set[tuple[str, str]] = set()
 
 

@@ -7,7 +7,11 @@ from typing import Any
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, payload_linear
+from qlens.quant.modules.dispatch import (
+    check_payload_device,
+    experts_in_one_launch,
+    payload_linear,
+)
 from qlens.quant.modules.expert_gate import ExpertGate
 from qlens.quant.modules.expert_payloads import num_experts_of, select_expert
 from qlens.quant.modules.payload_buffers import PayloadModule
@@ -101,7 +105,17 @@ class QuantExperts(PayloadModule):
             h = payload_linear(x, select_expert(gate_up, expert), up_bias)
             return payload_linear(self.gate.apply(h), select_expert(down, expert), down_bias)
 
-        return route_to_experts(hidden_states, index, weights, self.num_experts, expert_fn)
+        def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+            from qlens.kernels import experts_linear
+
+            h = experts_linear(x, gate_up, ids, self.gate_up_bias)
+            return experts_linear(self.gate.apply(h), down, ids, self.down_bias)
+
+        one_launch = experts_in_one_launch((gate_up, down), hidden_states, index.numel())
+        return route_to_experts(
+            hidden_states, index, weights, self.num_experts, expert_fn,
+            rows_fn if one_launch else None,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         gate_up, down = self.gate_up_payload, self.down_payload

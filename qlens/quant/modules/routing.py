@@ -9,6 +9,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 ExpertFn = Callable[[int, Tensor], Tensor]
+RowsFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def route_to_experts(
@@ -17,12 +18,17 @@ def route_to_experts(
     top_k_weights: Float[Tensor, "tokens k"],
     num_experts: int,
     expert_fn: ExpertFn,
+    rows_fn: RowsFn | None = None,
 ) -> Float[Tensor, "tokens hidden"]:
     """``sum_k top_k_weights[t, k] * expert_fn(top_k_index[t, k], hidden_states[t])`` per token.
 
     The same semantics as transformers' fused experts modules: ids outside ``[0, num_experts)``
     (the masked or other-rank routes) are skipped; each expert runs once on all its tokens. Sums
     accumulate in float32 and are cast back to ``hidden_states.dtype``.
+
+    ``rows_fn(rows, ids)``, when given, computes every (token, route) pair at once instead, row
+    ``i`` of ``rows`` through expert ``ids[i]`` (one kernel launch per projection, no per-expert
+    loop or host synchronization); skipped routes then run expert 0 with a zero weight.
     """
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
         raise ValueError(
@@ -31,6 +37,15 @@ def route_to_experts(
             f"[tokens, hidden], [tokens, k], [tokens, k]"
         )
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    if rows_fn is not None:
+        ids = top_k_index.reshape(-1)
+        kept = (ids >= 0) & (ids < num_experts)
+        tokens = torch.arange(hidden_states.shape[0], device=ids.device)
+        tokens = tokens.repeat_interleave(top_k_index.shape[1])
+        rows_out = rows_fn(hidden_states[tokens], torch.where(kept, ids, 0))
+        scale = torch.where(kept, top_k_weights.reshape(-1), 0).to(rows_out.dtype)
+        out.index_add_(0, tokens, (rows_out * scale[:, None]).to(torch.float32))
+        return out.to(hidden_states.dtype)
     with torch.no_grad():
         hit = torch.unique(top_k_index)
     for expert in hit.tolist():
