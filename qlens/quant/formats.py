@@ -92,11 +92,20 @@ def int_group_format(
         raise ValueError(f"integer group formats support bits {INT_GROUP_BITS}, got {bits}")
     if group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size}")
-    if zero_point not in ("none", "int"):
-        raise ValueError(f"zero_point must be 'none' (symmetric) or 'int', got {zero_point!r}")
+    if zero_point not in ("none", "int", "float"):
+        raise ValueError(
+            f"zero_point must be 'none' (symmetric), 'int' (W = (q - z) * s) or 'float' "
+            f"(W = s * q - shift, optimum-quanto), got {zero_point!r}"
+        )
     if scale_dtype not in INT_SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {INT_SCALE_DTYPES}, got {scale_dtype!r}")
-    kind = "asymmetric" if zero_point == "int" else "symmetric"
+    per = f"per {group_size} along K"
+    description = {
+        "none": f"INT{bits} symmetric, one {scale_dtype} scale {per}",
+        "int": f"INT{bits} asymmetric, one {scale_dtype} scale {per}",
+        "float": f"INT{bits} codes with a float shift, W = s * q - shift computed in "
+        f"{scale_dtype}, one {scale_dtype} scale and shift {per}",
+    }[zero_point]
     return QuantFormat(
         name=f"int{bits}",
         element=f"int{bits}",
@@ -104,5 +113,5 @@ def int_group_format(
         block=(1, int(group_size)),
         scale_dtype=scale_dtype,
         zero_point=zero_point,
-        description=f"INT{bits} {kind}, one {scale_dtype} scale per {group_size} along K",
+        description=description,
     )

@@ -58,7 +58,8 @@ def _find(module: nn.Module) -> Adopter | None:
 def is_quantized_module(module: nn.Module) -> bool:
     """Whether ``module`` holds a library-quantized weight qlens recognises.
 
-    :func:`adopt_module` reads it, or raises saying why it cannot (e.g. quanto qint4).
+    :func:`adopt_module` reads it, or raises saying why it cannot (e.g. quanto's CUDA AWQ
+    layout).
     """
     return _find(module) is not None
 

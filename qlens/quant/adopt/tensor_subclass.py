@@ -10,7 +10,9 @@ from torch import nn
 from qlens.quant.adopt.core import register_adopter
 from qlens.quant.adopt.fp8 import fp8_payload
 from qlens.quant.codecs.checks import ceil_div
+from qlens.quant.codecs.intcodes import midpoint
 from qlens.quant.codecs.intgroup import SCALE_DTYPE_NAMES, validate_int_group
+from qlens.quant.codecs.quanto_bits import packed_quanto_payload, quanto_bits_payload
 from qlens.quant.formats import int_group_format
 from qlens.quant.payload import QuantPayload
 
@@ -71,8 +73,23 @@ def _is_quanto_bytes(module: nn.Module) -> bool:
     return _weight_class(module) == "WeightQBytesTensor"
 
 
+_QUANTO_CUDA_BITS = ("AWQWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
+
+
 def _is_quanto_bits(module: nn.Module) -> bool:
-    return _weight_class(module) in ("WeightQBitsTensor", "TinyGemmWeightQBitsTensor")
+    return _weight_class(module) in (
+        "WeightQBitsTensor",
+        "TinyGemmWeightQBitsTensor",
+        *_QUANTO_CUDA_BITS,
+    )
+
+
+def _require_axis_0(weight: Any) -> None:
+    if weight._axis != 0:
+        raise NotImplementedError(
+            f"optimum-quanto weights quantized along axis {weight._axis} are not adopted; "
+            "supported: axis 0 (one scale per output row or per group along in_features)"
+        )
 
 
 @register_adopter(
@@ -80,11 +97,7 @@ def _is_quanto_bits(module: nn.Module) -> bool:
 )
 def adopt_quanto_bytes(module: nn.Module) -> QuantPayload:
     weight: Any = module.weight
-    if weight._axis != 0:
-        raise NotImplementedError(
-            f"optimum-quanto weights quantized along axis {weight._axis} are not adopted; "
-            "supported: axis 0 (one scale per output row)"
-        )
+    _require_axis_0(weight)
     data, scale = weight._data, weight._scale
     k = int(data.shape[-1])
     if data.dtype == torch.int8:
@@ -98,13 +111,71 @@ def adopt_quanto_bytes(module: nn.Module) -> QuantPayload:
     )
 
 
+def _per_group(t: torch.Tensor, n: int, groups: int, name: str) -> torch.Tensor:
+    """quanto's ``[N * G, 1]`` scale or shift as ``[N, G]``."""
+    if t.numel() != n * groups:
+        raise ValueError(
+            f"optimum-quanto {name} has {t.numel()} values for a weight of {n} rows and {groups} "
+            f"groups per row (expected {n * groups}); the tensor does not match its weight"
+        )
+    return t.reshape(n, groups)
+
+
+def _qbits_payload(weight: Any, n: int, k: int, group: int) -> QuantPayload:
+    """A ``WeightQBitsTensor`` as a quanto payload sharing its packed bytes."""
+    packed = weight._data
+    if type(packed).__name__ != "PackedTensor" or packed.bits != weight.qtype.bits:
+        raise NotImplementedError(
+            f"optimum-quanto {weight.qtype} data held as {type(packed).__name__} is not adopted; "
+            "expected a PackedTensor of the weight's bit width"
+        )
+    scale = _per_group(weight._scale, n, k // group, "scale")
+    shift = _per_group(weight._shift, n, k // group, "shift")
+    return packed_quanto_payload(
+        packed._data, (n, k), scale, shift, bits=weight.qtype.bits, group_size=group
+    )
+
+
+def _tinygemm_payload(weight: Any, n: int, k: int, group: int) -> QuantPayload:
+    """A ``TinyGemmWeightQBitsTensor``: codes through its own unpack, then quanto's shift.
+
+    tinygemm stores ``[K/g, N, 2]`` (scale, midpoint shift ``8*s - shift``); quanto's
+    dequantize recovers ``shift = 8*s - stored`` in the scales' dtype, and so does this.
+    """
+    scale_shift = weight._scale_shift
+    scale = scale_shift[:, :, 0].t()
+    shift = midpoint(weight.qtype.bits) * scale - scale_shift[:, :, 1].t()
+    return quanto_bits_payload(
+        weight._data.unpack().reshape(n, k),
+        scale.contiguous(),
+        shift.contiguous(),
+        bits=weight.qtype.bits,
+        group_size=group,
+        source="optimum-quanto tinygemm",
+    )
+
+
 @register_adopter(
-    "optimum-quanto WeightQBitsTensor (qint4/qint2): recognised, not adoptable", _is_quanto_bits
+    "optimum-quanto WeightQBitsTensor (qint4/qint2, float or integer shift; TinyGemm on CPU)",
+    _is_quanto_bits,
 )
 def adopt_quanto_bits(module: nn.Module) -> QuantPayload:
     weight: Any = module.weight
-    raise NotImplementedError(
-        f"optimum-quanto {weight.qtype} weights ({type(weight).__name__}) store a float shift "
-        "(W = scale * q - shift), which no qlens payload format expresses exactly; read them with "
-        "module.weight.dequantize() or re-quantize the float weights with qlens"
-    )
+    name = type(weight).__name__
+    if name in _QUANTO_CUDA_BITS:
+        raise NotImplementedError(
+            f"optimum-quanto {weight.qtype} weights in the CUDA {name} layout are not adopted "
+            "(its packing is kernel-specific); adopt them before moving the model to CUDA, or "
+            "move it to CPU first (module.to('cpu') converts them back to WeightQBitsTensor)"
+        )
+    _require_axis_0(weight)
+    if weight.dim() != 2:
+        raise NotImplementedError(
+            f"optimum-quanto {weight.qtype} weights of shape {list(weight.shape)} are not "
+            "adopted; supported: 2-D [out, in] linear weights"
+        )
+    n, k = (int(s) for s in weight.shape)
+    group = int(weight._group_size or k)
+    if name == "TinyGemmWeightQBitsTensor":
+        return _tinygemm_payload(weight, n, k, group)
+    return _qbits_payload(weight, n, k, group)

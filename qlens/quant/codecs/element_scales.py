@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.quant.codecs.checks import require_tensor
 from qlens.quant.codecs.fp8 import fp8_block_scale_grid
 from qlens.quant.codecs.grid import expand_blocks, expand_groups
 from qlens.quant.codecs.intgroup import unpack_int
@@ -27,6 +28,11 @@ def element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
         return expand_groups(mx_scales(payload), MX_BLOCK, k)
     if name == "nvfp4":
         return expand_groups(nvfp4_scales(payload), NV_BLOCK, k)
+    if name.startswith("int") and payload.format.zero_point == "float":
+        # optimum-quanto's float shift: contiguous groups, one scale each (no integer codes'
+        # zero point to decode)
+        return expand_groups(require_tensor(payload.scales, "scales", payload).float(),
+                             payload.format.block[1], k)  # fmt: skip
     if name.startswith("int"):
         groups = unpack_int(payload)
         return groups.scales.float().index_select(-1, groups.group_index.long())

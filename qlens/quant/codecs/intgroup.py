@@ -1,5 +1,6 @@
 """Group-wise integer weights: the qlens int4/int8 layouts, decoding of every integer packing,
 and exact repacking of GPTQ / AWQ / compressed-tensors payloads into the qlens layout.
+optimum-quanto's packing (float shift) is ``qlens.quant.codecs.quanto_bits``.
 
 qlens layouts (``layout["packing"] == "qlens"``), one scale per ``g = format.block[1]`` along K:
 - int4: ``data uint8 [*e, N, ceil(K/2)]`` low nibble = even k, codes 0..15; ``zeros`` None
@@ -109,6 +110,11 @@ def validate_int_group(payload: QuantPayload) -> None:
             f"the qlens integer layout holds 4- or 8-bit codes, got {payload.format.name}; "
             "other widths keep their own packing (gptq, compressed-tensors)"
         )
+    if payload.format.zero_point == "float":
+        raise ValueError(
+            f"{payload.format.name} payload has a float shift (zero_point='float'), which the "
+            "qlens integer layout does not hold; it needs layout['packing'] = 'quanto'"
+        )
     groups = ceil_div(k, payload.format.block[1])
     if bits == 4:
         require_dtype(payload.data, "data", (torch.uint8,), payload)
@@ -159,14 +165,24 @@ def unpack_qlens_int(payload: QuantPayload) -> IntGroups:
 
 
 def unpack_int(payload: QuantPayload) -> IntGroups:
-    """Decode any supported integer packing (qlens, gptq, awq, compressed-tensors)."""
+    """Decode any integer packing with integer zero points (qlens, gptq, awq,
+    compressed-tensors, quanto with an integer shift)."""
     packing = payload.layout.get("packing", "qlens")
     if packing == "qlens":
         return unpack_qlens_int(payload)
+    if packing == "quanto":
+        from qlens.quant.codecs.quanto_bits import quanto_int_groups
+
+        return quanto_int_groups(payload)
     if packing not in _UNPACKERS:
         raise ValueError(
             f"{payload.format.name} payload has unknown layout['packing']={packing!r}; known: "
-            f"{['qlens', *_UNPACKERS]}"
+            f"{['qlens', *_UNPACKERS]} and 'quanto' (optimum-quanto qint4/qint2)"
+        )
+    if payload.format.zero_point == "float":
+        raise ValueError(
+            f"{payload.format.name} payload in the {packing!r} packing has zero_point='float'; "
+            f"{packing} stores integer zero points (zero_point 'int' or 'none')"
         )
     require_same_device(payload)
     return _UNPACKERS[packing](payload)
@@ -174,7 +190,12 @@ def unpack_int(payload: QuantPayload) -> IntGroups:
 
 @register_dequantizer("int2", "int3", "int4", "int8")
 def dequantize_int_group(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
-    """``W = (q - z) * s`` per group, in fp32, cast to ``dtype``."""
+    """``W = (q - z) * s`` per group, in fp32, cast to ``dtype``; the quanto packing computes
+    ``s * q - shift`` (or ``s * (q - z)``) in its scales' dtype instead, as quanto does."""
+    if payload.layout.get("packing") == "quanto":
+        from qlens.quant.codecs.quanto_bits import dequantize_quanto_bits
+
+        return dequantize_quanto_bits(payload, dtype)
     return unpack_int(payload).dequantize(dtype)
 
 
@@ -184,12 +205,20 @@ def repack_to_qlens(payload: QuantPayload) -> QuantPayload:
     (``qlens.quant.codecs.gguf_repack``).
 
     Zero points equal to the midpoint everywhere become the symmetric form. GPTQ act-order
-    (a ``g_idx`` that is not ``k // group_size``) has no contiguous-group equivalent and raises.
+    (a ``g_idx`` that is not ``k // group_size``) has no contiguous-group equivalent and raises,
+    and so does a float shift (optimum-quanto's default). An integer-shift quanto int4 payload
+    repacks, but its product is then computed in fp32 rather than rounded to the scales' dtype.
     """
     if payload.layout.get("packing") == "gguf":
         from qlens.quant.codecs.gguf_repack import gguf_to_int_group
 
         return gguf_to_int_group(payload)
+    if payload.format.zero_point == "float":
+        raise ValueError(
+            f"this {payload.format.name} payload ({payload.layout.get('packing')!r} packing) has "
+            "a float shift (W = s*q - shift), which no integer zero point of the qlens layout "
+            "expresses exactly; dequantize it instead (qlens.dequantize)"
+        )
     if payload.format.bits not in QLENS_INT_BITS:
         raise ValueError(
             f"only 4- and 8-bit integer payloads map to the qlens layout, got {payload.format.name}"

@@ -1,5 +1,6 @@
 """Adopting torchao and optimum-quanto quantized weights against the libraries' own
-``.dequantize()`` (exact: int8/e4m3 times a scale is exact in float32, rounded once)."""
+``.dequantize()`` (exact: int8/e4m3 times a scale is exact in float32, rounded once; quanto
+qint4/qint2 are computed in their scales' dtype, as quanto does)."""
 
 import warnings
 
@@ -55,11 +56,13 @@ def test_quanto_bytes(qtype_name, dtype):
     assert torch.equal(_dequantize(payload, dtype), expected)
 
 
-def test_quanto_qint4_is_recognised_but_not_adoptable():
+def test_quanto_qint4_is_adopted_with_its_float_shift():
+    """Exhaustive cases (qint2, dtypes, groups, TinyGemm) are in tests/quant/test_quanto_bits.py."""
     quanto = pytest.importorskip("optimum.quanto")
     model = _linear(torch.float32, seed=2)
     quanto.quantize(model, weights=quanto.qint4)
     quanto.freeze(model)
     assert is_quantized_module(model[0])
-    with pytest.raises(NotImplementedError, match="float shift"):
-        adopt_module(model[0])
+    payload = adopt_module(model[0])
+    assert payload.format.name == "int4" and payload.format.zero_point == "float"
+    assert torch.equal(_dequantize(payload, torch.float32), model[0].weight.dequantize())
