@@ -63,22 +63,17 @@ def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfi
 
 
 @contextlib.contextmanager
-def env(name: str, value: str) -> Iterator[None]:
-    """Environment variable ``name`` set to ``value`` within the block."""
-    before = os.environ.get(name)
-    os.environ[name] = value
+def word_gemv(on: bool) -> Iterator[None]:
+    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
+    before = os.environ.get(WORD_GEMV_ENV)
+    os.environ[WORD_GEMV_ENV] = "1" if on else "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(name, None)
+            os.environ.pop(WORD_GEMV_ENV, None)
         else:
-            os.environ[name] = before
-
-
-def word_gemv(on: bool) -> contextlib.AbstractContextManager[None]:
-    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
-    return env(WORD_GEMV_ENV, "1" if on else "0")
+            os.environ[WORD_GEMV_ENV] = before
 
 
 def _time_linear(ps, x, cfg=None) -> float:
@@ -156,10 +151,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
                         f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: _time_linear(ps, x, c)
                     )
                 sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
-                print(
-                    f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->",
-                    flush=True,
-                )
+                print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)
         del bf16, payloads, w, layers
         torch.cuda.empty_cache()
     return render(rows, checks, sweep_rows)

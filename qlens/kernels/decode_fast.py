@@ -162,61 +162,46 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 
 @triton.jit
 @no_type_check
-def _fma_operands(
-    words_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_w, stride_s,
+def _fma_tile(
+    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+    stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, ONE_ROW: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
+    USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
 ):  # fmt: skip
-    """Words of one K tile (``[BLOCK_N, BLOCK_K / 8]`` for one row of ``x``, else
-    ``[1, BLOCK_N, BLOCK_K / 8]``) and their scales and zero points ``[BLOCK_N, BLOCK_K / 8]``."""
+    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs
+    (``acc[n, i]`` for one row of ``x``, ``ONE_ROW``).
+
+    One row: ``x`` is read as ``[1, words]``; with the warps side by side along K it takes the
+    words' own layout, so each thread reuses its ``x`` registers for all its rows. Several rows:
+    every operand is read in the product's ``[M, N, words]`` shape (``x`` repeated along N,
+    served by L1), so no layout exchange through shared memory is needed inside the code loop.
+    ``x`` comes regrouped as float32 (``permute_codes``).
+    """
     if ONE_ROW:
         offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
         words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w,
                             K, MASK_K, MASK_N)  # fmt: skip
-    else:
-        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
-        words = _load_words(words_ptr, offs_n[None, :, None] * stride_w,
-                            (offs_n < N)[None, :, None], offs_w, K, MASK_K, MASK_N)  # fmt: skip
-    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
-                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
-    return words, scale, zero
-
-
-@triton.jit
-@no_type_check
-def _fma_products(
-    acc, words, scale, zero, xp_ptr, offs_m, offs_n, k0, M, stride_xm, stride_xj,
-    FAMILY: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
-    MASK_X: tl.constexpr, USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
-):  # fmt: skip
-    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs
-    (``acc[n, i]`` for one row of ``x``).
-
-    One row: ``x`` is read as ``[1, words]``, which takes the words' own layout (the warps
-    split N, so each thread holds its rows' words for the same K positions) and is reused from
-    registers for every row of the thread. Several rows: every operand is read in the product's
-    ``[M, N, words]`` shape (``x`` repeated along N, served by L1), so no layout exchange through
-    shared memory is needed inside the code loop. ``x`` comes regrouped as float32
-    (``permute_codes``).
-    """
-    if ONE_ROW:
-        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
         x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
         x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
-        scale_b = scale
     else:
         offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
         rows = offs_n[None, :, None]
-        if HAS_ZEROS:
-            zero = zero[None, :, :]
+        words = _load_words(words_ptr, rows * stride_w, (offs_n < N)[None, :, None], offs_w, K,
+                            MASK_K, MASK_N)  # fmt: skip
         x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + offs_w + 0 * rows
         x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xj) & (rows >= 0)
-        scale_b = scale[None, :, :]
+    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    if not ONE_ROW:
+        scale = scale[None, :, :]
+        if HAS_ZEROS:
+            zero = zero[None, :, :]
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        if MASK_X:
+        if MASK_K or MASK_M:
             x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0)
         else:
             x = tl.load(x_ptrs + j * stride_xj)
@@ -226,29 +211,9 @@ def _fma_products(
         else:
             part += w * x
     if FAMILY == INT4_C:
-        return acc + part * scale_b
+        return acc + part * scale
     else:
-        return acc + (part * _FACTOR_C) * scale_b
-
-
-@triton.jit
-@no_type_check
-def _fma_tile(
-    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-    stride_xm, stride_xj, stride_w, stride_s,
-    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-    USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
-):  # fmt: skip
-    """Load and multiply one K tile (``_fma_operands`` then ``_fma_products``)."""
-    words, scale, zero = _fma_operands(
-        words_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_w, stride_s, FAMILY,
-        GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_K, MASK_N, ONE_ROW,
-    )  # fmt: skip
-    return _fma_products(acc, words, scale, zero, xp_ptr, offs_m, offs_n, k0, M, stride_xm,
-                         stride_xj, FAMILY, HAS_ZEROS, BLOCK_K, MASK_K or MASK_M, USE_ASM,
-                         ONE_ROW)  # fmt: skip
+        return acc + (part * _FACTOR_C) * scale
 
 
 @triton.jit
