@@ -68,11 +68,10 @@ def experts_linear(
             f"expert_ids must hold one expert per token, shape [{x.shape[0]}], got "
             f"{list(expert_ids.shape)}"
         )
-    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= experts):
-        raise ValueError(
-            f"expert_ids must lie in [0, {experts}), got range "
-            f"[{int(expert_ids.min())}, {int(expert_ids.max())}]"
-        )
+    if expert_ids.numel():
+        low, high = (int(v) for v in torch.stack(torch.aminmax(expert_ids)).tolist())
+        if low < 0 or high >= experts:
+            raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")
     fused = 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8
     stacked = stacked_experts(payload, expert_ids) if fused else None
     if stacked is not None:

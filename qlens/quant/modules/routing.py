@@ -28,7 +28,7 @@ def route_to_experts(
 
     ``rows_fn(rows, ids)``, when given, computes every (token, route) pair at once instead, row
     ``i`` of ``rows`` through expert ``ids[i]`` (one kernel launch per projection, no per-expert
-    loop or host synchronization); skipped routes then run expert 0 with a zero weight.
+    loop); skipped routes then run expert 0 with a zero weight.
     """
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
         raise ValueError(
