@@ -9,7 +9,7 @@ from torch import Tensor
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
 from qlens.kernels.gemv import ExpertRows, experts_gemv, word_view
-from qlens.kernels.weights import KernelWeight, kernel_weight, unsupported_reason
+from qlens.kernels.weights import KernelWeight, kernel_weight
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.payload import QuantPayload
 
@@ -30,10 +30,10 @@ def stacked_experts(
     if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
-    first = select_expert(payload, 0)
-    if unsupported_reason(first) is not None:
+    try:
+        w = kernel_weight(select_expert(payload, 0))
+    except ValueError:  # a format or layout the kernels do not read: experts run one by one
         return None
-    w = kernel_weight(first)
     if word_view(w) is None:
         return None
     rows = ExpertRows(

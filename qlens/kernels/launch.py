@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
+from qlens.kernels.weights import KernelWeight
 
 
 def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def kernel_constants(w: KernelWeight) -> dict[str, Any]:
     """The compile-time constants describing the weight's format."""
     return {
         "FAMILY": w.family,
-        "PACKED": w.family in (MXFP4, NVFP4, INT4),
+        "PACKED": w.packed,
         "GROUP_N": w.group_n,
         "GROUP_K": w.group_k,
         "SCALE_E8M0": w.scale_e8m0,

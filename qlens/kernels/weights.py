@@ -47,6 +47,11 @@ class KernelWeight:
     def name(self) -> str:
         return next(name for name, code in FAMILIES.items() if code == self.family)
 
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes a byte."""
+        return self.family in _PACKED_4BIT
+
 
 def unsupported_reason(payload: QuantPayload) -> str | None:
     """Why the kernels cannot read ``payload`` (``None`` when they can)."""
