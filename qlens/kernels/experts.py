@@ -52,6 +52,7 @@ def experts_linear(
     bias: Float[Tensor, "e n"] | None = None,
     *,
     w8a8: bool = False,
+    ids_in_range: bool = False,
 ) -> Float[Tensor, "t n"]:
     """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]`` for an experts payload.
 
@@ -59,6 +60,10 @@ def experts_linear(
     launch of the word-wise GEMV, each row reading its own expert's weight (decode). Otherwise
     tokens are sorted by expert and each used expert runs ``quantized_linear`` once on its
     tokens (one launch per used expert; the dispatcher picks each launch's path by its count).
+
+    The ids' range is checked on the host (one device sync) unless ``ids_in_range``: a caller
+    whose ids lie in ``[0, experts)`` by construction (the modules' routing clamps them) passes
+    it to keep the one-launch path free of host syncs.
     """
     experts, n, k = (int(s) for s in payload.shape)
     if x.dim() != 2 or x.shape[1] != k:
@@ -68,7 +73,7 @@ def experts_linear(
             f"expert_ids must hold one expert per token, shape [{x.shape[0]}], got "
             f"{list(expert_ids.shape)}"
         )
-    if expert_ids.numel():
+    if expert_ids.numel() and not ids_in_range:
         low, high = (int(v) for v in torch.stack(torch.aminmax(expert_ids)).tolist())
         if low < 0 or high >= experts:
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")

@@ -202,10 +202,11 @@ def _experts_forward(
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
         from qlens.kernels import experts_linear
 
-        h = experts_linear(x, first, ids, first_bias)
-        return experts_linear(activate(h), down, ids, down_bias)
+        h = experts_linear(x, first, ids, first_bias, ids_in_range=True)
+        return experts_linear(activate(h), down, ids, down_bias, ids_in_range=in_range)
 
     num_experts = int(first.shape[0])
+    in_range = int(down.shape[0]) >= num_experts  # route_to_experts clamps ids below num_experts
     one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
     return route_to_experts(
         hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,

@@ -74,6 +74,21 @@ def test_experts_linear_rejects_bad_expert_ids():
         experts_linear(torch.randn(3, 32), payload, torch.tensor([0, 2, 1]))
 
 
+def test_experts_linear_skips_the_host_check_for_ids_in_range(monkeypatch):
+    """Callers whose ids are in range by construction skip the host check (a device sync)."""
+    payload = quantize_weight(torch.randn(3, 16, 64), "int4", group_size=32)
+    x, ids = torch.randn(4, 64), torch.tensor([2, 0, 2, 1])
+    expected = experts_linear(x, payload, ids)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("the ids' range was read on the host")
+
+    monkeypatch.setattr(torch, "aminmax", no_sync)
+    assert torch.equal(experts_linear(x, payload, ids, ids_in_range=True), expected)
+    with pytest.raises(AssertionError, match="read on the host"):
+        experts_linear(x, payload, ids)
+
+
 def test_dequantize_triton_of_experts_is_bit_exact():
     gen = torch.Generator().manual_seed(2)
     payload = quantize_weight(torch.randn(3, 20, 96, generator=gen), "nvfp4")

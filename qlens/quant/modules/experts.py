@@ -108,8 +108,11 @@ class QuantExperts(PayloadModule):
         def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
             from qlens.kernels import experts_linear
 
-            h = experts_linear(x, gate_up, ids, self.gate_up_bias)
-            return experts_linear(self.gate.apply(h), down, ids, self.down_bias)
+            # route_to_experts clamps the ids to [0, num_experts), the payloads' expert count
+            h = experts_linear(x, gate_up, ids, self.gate_up_bias, ids_in_range=True)
+            return experts_linear(
+                self.gate.apply(h), down, ids, self.down_bias, ids_in_range=True
+            )  # fmt: skip
 
         one_launch = experts_in_one_launch((gate_up, down), hidden_states, index.numel())
         return route_to_experts(
