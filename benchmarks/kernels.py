@@ -27,7 +27,7 @@ def scaled_mm_blockwise(x, w_fp8, w_scales):
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
     a, a_s = quantize_activations(xp, 128)
     out = torch._scaled_mm(
-        a, w_fp8.t(), scale_a=a_s.t().contiguous().t(), scale_b=w_scales.t(),
+        a, w_fp8.t(), scale_a=a_s, scale_b=w_scales.t(),
         out_dtype=torch.bfloat16,
     )  # fmt: skip
     return out[:m]
@@ -55,7 +55,6 @@ def _bench_batch(m, n, k, ws_bf16, fp8, w4):
     run("fp8_w8a8", [lambda p=p: quantized_linear(x, p, w8a8=True) for p in fp8])
     run("fp8_w8a16", [lambda p=p: quantized_linear(x, p) for p in fp8])
     a, a_s = quantize_activations(x if m % 16 == 0 else F.pad(x, (0, 0, 0, (-m) % 16)), 128)
-    a_s = a_s.t().contiguous().t()
     run(
         "cublas_block_gemm",
         [lambda p=p: scaled_mm_gemm_only(a, a_s, p.data, p.scales) for p in fp8],

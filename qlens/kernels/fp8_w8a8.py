@@ -24,7 +24,7 @@ E4M3_MAX = 448.0
 @triton.jit
 @no_type_check
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -42,25 +42,32 @@ def _act_quant_kernel(
     else:
         codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
-    tl.store(s_ptr + offs_m * stride_sm + g, scale, mask=offs_m < M)
+    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
+
+
+# Rows per activation-quantization program on a GPU (one program: BLOCK_M rows x one group).
+ACT_QUANT_BLOCK_M = 16
 
 
 def quantize_activations(
-    x: Float[Tensor, "m k"], group: int = 128
+    x: Float[Tensor, "m k"], group: int = 128, *, block_m: int | None = None
 ) -> tuple[Float8e4m3fn[Tensor, "m k"], Float[Tensor, "m groups"]]:
     """Per-token, per-``group`` dynamic FP8: ``x ~ q * s`` with ``s = amax / 448`` (1 for zeros).
 
-    Returns e4m3 codes ``[m, k]`` and float32 scales ``[m, ceil(k / group)]``.
+    Returns e4m3 codes ``[m, k]`` and float32 scales ``[m, ceil(k / group)]`` stored
+    column-major (strides ``(1, m)``), the layout cuBLAS' blockwise FP8 GEMM takes, so no
+    transposing copy follows. ``block_m`` overrides the rows per program (benchmarks sweep it).
     """
     m, k = x.shape
     groups = triton.cdiv(k, group)
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    block_m = 64 if interpreting() else 16
+    scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    if block_m is None:
+        block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     with on_device(x.device):
         _act_quant_kernel[(triton.cdiv(m, block_m), groups)](
             x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
-            GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
+            scales.stride(1), GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
         )  # fmt: skip
     return codes.view(torch.float8_e4m3fn), scales
 
@@ -69,7 +76,7 @@ def quantize_activations(
 @no_type_check
 def _fp8_block_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_split,
+    M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_om, stride_split,
     GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
@@ -99,7 +106,7 @@ def _fp8_block_gemm_kernel(
             mask=n_mask[:, None] & k_mask[None, :],
             other=0,
         ).to(tl.float8e4nv, bitcast=True)
-        a_s = tl.load(as_ptr + offs_m * stride_asm + kb, mask=m_mask, other=1.0)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask, other=1.0)
         w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * stride_wsn + kb, mask=n_mask, other=1)
         if SCALE_E8M0:
             w_s = e8m0_to_f32(w_s)
@@ -138,7 +145,8 @@ def fp8_block_w8a8_linear(
     with on_device(x.device):
         _fp8_block_gemm_kernel[grid](
             a.view(torch.uint8), a_scales, w.data.view(torch.uint8), w.scales, bias_arg, target,
-            m, n, k, a.stride(0), a_scales.stride(0), w.data.stride(0), w.scales.stride(0), n,
+            m, n, k, a.stride(0), a_scales.stride(0), a_scales.stride(1), w.data.stride(0),
+            w.scales.stride(0), n,
             target.stride(0) if split > 1 else 0,
             GROUP_N=w.group_n, SCALE_E8M0=w.scale_e8m0, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_k, SPLIT_K=split,
@@ -182,7 +190,7 @@ def _cublas_blockwise(
     out = torch._scaled_mm(
         a,
         w.data.t(),
-        scale_a=a_scales.t().contiguous().t(),
+        scale_a=a_scales,  # column-major, as cuBLAS requires
         scale_b=w_scales.t(),
         out_dtype=dtype,
     )

@@ -21,7 +21,12 @@ def test_activation_quant_is_bit_exact_over_all_magnitudes():
     codes, scales = quantize_activations(x, 128)
     ref_codes, ref_scales = reference_act_quant(x, 128)
     assert codes.dtype == torch.float8_e4m3fn and scales.shape == (37, 3)
+    assert scales.stride() == (1, 37)  # column-major: cuBLAS' blockwise layout, no copy needed
     assert torch.equal(scales, ref_scales)
+    for block_m in (16, 32):  # other rows per program give the same bits
+        again, again_scales = quantize_activations(x, 128, block_m=block_m)
+        assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(again_scales, scales)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
     assert bool((scales[3] == 1).all())
 
