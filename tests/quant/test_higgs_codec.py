@@ -1,7 +1,8 @@
-"""HIGGS / FLUTE codec. No CPU oracle exists (FLUTE decodes on CUDA only), so these tests check:
-pack/unpack identity, element placements derived by hand from FLUTE's ``_pack_4bit`` description,
-and dequantization against HIGGS' documented quantize -> dequantize math (transformers'
-``quantize_with_higgs``) evaluated independently in float64 with an explicit Hadamard matrix."""
+"""HIGGS / FLUTE codec. FLUTE decodes on CUDA only, so these tests check pack/unpack identity,
+element placements derived by hand from FLUTE's ``_pack_4bit`` (``test_higgs_flute_oracle.py``
+compares the packing with FLUTE's own packers), and dequantization against HIGGS' documented
+quantize -> dequantize math (transformers' ``quantize_with_higgs``) evaluated independently in
+float64 with an explicit Hadamard matrix."""
 
 import math
 
