@@ -23,7 +23,10 @@ from qlens.quant.codecs.higgs import (
 from qlens.quant.payload import QuantPayload
 
 
-@pytest.mark.parametrize("bits,tile_p,n", [(4, 32, 128), (4, 64, 512), (2, 32, 256), (2, 64, 512)])
+@pytest.mark.parametrize(
+    "bits,tile_p,n",
+    [(4, 32, 128), (4, 64, 512), (3, 32, 512), (3, 32, 1024), (2, 32, 256), (2, 64, 512)],
+)
 def test_pack_unpack_identity(bits, tile_p, n):
     gen = torch.Generator().manual_seed(bits * tile_p)
     codes = torch.randint(0, 1 << bits, (6, n), generator=gen)
@@ -75,12 +78,13 @@ def _higgs_quantize(w, hadamard_size, grid):
     return codes.reshape(n, -1), norms / math.sqrt(hadamard_size)
 
 
+@pytest.mark.parametrize("bits,n", [(4, 128), (3, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dequantize_matches_documented_math(dtype):
-    n, k, hadamard_size, group, bits, tile_p = 128, 128, 64, 32, 4, 32
+def test_dequantize_matches_documented_math(dtype, bits, n):
+    k, hadamard_size, group, tile_p = 128, 64, 32, 32
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen) * 0.02
-    grid = get_higgs_grid(2, 256).to(dtype)
+    grid = get_higgs_grid(2, 1 << (2 * bits)).to(dtype)
     codes, block_scales = _higgs_quantize(w, hadamard_size, grid)
     scales = block_scales.to(dtype).repeat_interleave(hadamard_size // group, dim=1)
     data = pack_flute(split_vector_codes(codes, bits, p=2), bits, tile_p)
@@ -100,8 +104,9 @@ def test_dequantize_matches_documented_math(dtype):
     # float32 butterflies vs a float64 matrix product: agreement to float32 rounding of a
     # 64-term sum (weights are ~0.02, so 1e-8 absolute is ~1e-6 relative to their scale).
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-8)
-    # and the round trip is a 4-bit-quality approximation of the original weight
-    assert (got - w).norm() / w.norm() < 0.15
+    # and the round trip approximates the original weight as well as its bit width allows
+    # (relative error ~0.10 at 4 bits, ~0.17 at 3 bits for Gaussian weights)
+    assert (got - w).norm() / w.norm() < {4: 0.15, 3: 0.25}[bits]
 
 
 def test_tile_p_table_and_errors():
@@ -109,8 +114,12 @@ def test_tile_p_table_and_errors():
     assert [flute_tile_p(2, i) for i in (3, 4, 12)] == [64, 32, 64]
     with pytest.raises(ValueError, match="no FLUTE template 144"):
         flute_tile_p(4, 144)
-    with pytest.raises(NotImplementedError, match="3-bit"):
-        higgs_format(3, 256, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="HIGGS 5-bit weights are not supported"):
+        higgs_format(5, 256, torch.bfloat16)
+    with pytest.raises(ValueError, match="tile_p=32 only"):
+        pack_flute(torch.zeros(2, 512, dtype=torch.int64), 3, 64)
+    with pytest.raises(ValueError, match="N a multiple of 512"):
+        pack_flute(torch.zeros(2, 256, dtype=torch.int64), 3, 32)
     with pytest.raises(ValueError, match="N a multiple of 128"):
         pack_flute(torch.zeros(2, 64, dtype=torch.int64), 4, 32)
     codes = torch.zeros(2, 128, dtype=torch.int64)

@@ -1,8 +1,8 @@
-"""FLUTE packing against FLUTE's own packers (flute-kernel 0.4.2, ``flute.utils._pack_4bit`` and
-``_pack_2bit``, plain torch). Installed as a package, flute is imported by transformers and needs
-CUDA, so ``scripts/setup.sh`` unpacks only its two pure modules into ``<venv>/oracles/flute``;
-they are loaded here under a stand-in package providing the names ``utils`` imports from it (the
-CUDA GEMM, never called)."""
+"""FLUTE packing against FLUTE's own packers (flute-kernel 0.4.2, ``flute.utils._pack_2bit``,
+``_pack_3bit`` and ``_pack_4bit``, plain torch). Installed as a package, flute is imported by
+transformers and needs CUDA, so ``scripts/setup.sh`` unpacks only its two pure modules into
+``<venv>/oracles/flute``; they are loaded here under a stand-in package providing the names
+``utils`` imports from it (the CUDA GEMM, never called)."""
 
 from __future__ import annotations
 
@@ -47,12 +47,15 @@ def flute_utils():
 
 @pytest.mark.parametrize(
     "bits,tile_p,k,n",
-    [(4, 32, 6, 128), (4, 64, 4, 512), (4, 32, 10, 384), (2, 32, 6, 256), (2, 64, 4, 1024)],
-)
+    [
+        (4, 32, 6, 128), (4, 64, 4, 512), (4, 32, 10, 384), (2, 32, 6, 256), (2, 64, 4, 1024),
+        (3, 32, 2, 512), (3, 32, 6, 1536),
+    ],
+)  # fmt: skip
 def test_pack_flute_equals_flutes_packer(flute_utils, bits, tile_p, k, n):
     gen = torch.Generator().manual_seed(bits * tile_p + n)
     codes = torch.randint(0, 1 << bits, (k, n), generator=gen)
-    packer = flute_utils._pack_4bit if bits == 4 else flute_utils._pack_2bit
+    packer = {2: flute_utils._pack_2bit, 3: flute_utils._pack_3bit, 4: flute_utils._pack_4bit}[bits]
     expected = packer(codes.to(torch.uint8), tile_P=tile_p)
     got = pack_flute(codes, bits, tile_p)
     assert got.dtype == expected.dtype == torch.int16

@@ -3,7 +3,8 @@
 Payload (``layout["packing"] == "flute"``) for a logical ``[N, K]`` weight, ``Kp = ceil(K/H)*H``:
 - ``data`` int16 ``[N*b/16, Kp]``: ``b``-bit codes ``C[Kp, N]`` shuffled by FLUTE's ``_pack_4bit`` /
   ``_pack_2bit`` pattern (``layout["tile_p"]`` = the kernel template's TileP, 32 or 64), written as
-  an LSB-first bit stream into int16 words, viewed ``[Kp, N*b/16]`` and transposed.
+  an LSB-first bit stream into int16 words, viewed ``[Kp, N*b/16]`` and transposed; 3-bit codes
+  (TileP 32) are spread over bit planes as ``flute_bitplanes`` describes.
 - ``extras["tables2"]`` ``[2**b, 2**b, 2]``: for consecutive rows ``(2j, 2j+1)`` of ``C`` the pair
   of values ``tables2[C[2j], C[2j+1]]``. Its 16-bit patterns are values of the ``scales`` dtype
   (bf16 or fp16) whatever dtype label the tensor carries (transformers stores bf16 bits viewed
@@ -15,12 +16,12 @@ rotated domain), then per row and per H-block ``W = V @ Had_H / sqrt(H)`` with t
 Hadamard matrix, cropped to K. For HIGGS' own quantizer the scale is constant over each H-block, so
 this equals ``Had(table values) / sqrt(H) * scale``.
 
-What is verified and what derived: there is no CPU implementation of FLUTE (its decoder is a CUDA
-GEMM). The shuffle, the bit stream and the int16 view are transcribed from FLUTE's packing
-description; the pairing of ``tables2`` with consecutive rows, the code split ``(code >> b,
-code & mask)`` and the Hadamard convention follow transformers' ``quantize_with_higgs`` and FLUTE's
-``prepare_data``. The tests check pack/unpack identity and the quantize -> dequantize math; they
-cannot check against the CUDA kernel.
+What is verified and what derived: there is no CPU implementation of FLUTE's decoder (a CUDA
+GEMM). The packing (2, 3 and 4 bits) equals FLUTE's own pure-torch packers exactly
+(``tests/quant/test_higgs_flute_oracle.py``); the pairing of ``tables2`` with consecutive rows, the
+code split ``(code >> b, code & mask)`` and the Hadamard convention follow transformers'
+``quantize_with_higgs`` and FLUTE's ``prepare_data``, and are checked against that quantize ->
+dequantize math in float64, not against the CUDA kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from jaxtyping import Float, Int16, Integer
 from torch import Tensor
 
+from qlens.quant.codecs import flute_bitplanes
 from qlens.quant.codecs.checks import (
     ceil_div,
     require_dtype,
@@ -45,7 +47,7 @@ from qlens.quant.payload import QuantPayload
 
 PACKING = "flute"
 WORD_BITS = 16
-SUPPORTED_BITS = (2, 4)  # FLUTE's 3-bit packing splits bit planes and is not implemented
+SUPPORTED_BITS = (2, 3, 4)  # 3-bit: FLUTE's bit-plane layout, ``flute_bitplanes``
 TILE_PS = (32, 64)
 TABLE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,8 +56,7 @@ def higgs_format(num_bits: int, group_size: int, scale_dtype: torch.dtype) -> Qu
     """The :class:`QuantFormat` of HIGGS weights with ``num_bits`` codes per weight."""
     if num_bits not in SUPPORTED_BITS:
         raise NotImplementedError(
-            f"HIGGS {num_bits}-bit weights are not supported (FLUTE's 3-bit layout is not "
-            f"implemented); supported: {SUPPORTED_BITS}"
+            f"HIGGS {num_bits}-bit weights are not supported; supported: {SUPPORTED_BITS}"
         )
     if scale_dtype not in TABLE_DTYPES:
         raise ValueError(f"HIGGS scales are float16 or bfloat16, got {scale_dtype}")
@@ -105,6 +106,9 @@ def _check_geometry(k: int, n: int, num_bits: int, tile_p: int) -> None:
         raise NotImplementedError(
             f"FLUTE {num_bits}-bit packing is not supported; supported: {SUPPORTED_BITS}"
         )
+    if num_bits == 3:
+        flute_bitplanes.check_geometry(k, n, tile_p)
+        return
     if tile_p not in TILE_PS:
         raise ValueError(f"FLUTE tile_p must be one of {TILE_PS}, got {tile_p}")
     chunk = WORD_BITS // num_bits * tile_p
@@ -116,7 +120,8 @@ def _check_geometry(k: int, n: int, num_bits: int, tile_p: int) -> None:
 
 
 def flute_permutation(k: int, n: int, num_bits: int, tile_p: int) -> Integer[Tensor, " kn"]:
-    """``perm`` with ``shuffled.flatten() == codes.flatten()[perm]`` for ``[K, N]`` codes."""
+    """``perm`` with ``shuffled.flatten() == codes.flatten()[perm]`` for ``[K, N]`` codes (2 and
+    4 bits, whose codes stay whole within a word)."""
     _check_geometry(k, n, num_bits, tile_p)
     return _shuffle(torch.arange(k * n).reshape(k, n), num_bits, tile_p).reshape(-1)
 
@@ -128,6 +133,8 @@ def pack_flute(codes: Integer[Tensor, "k n"], num_bits: int, tile_p: int) -> Int
     values = codes.to(torch.int64)
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << num_bits):
         raise ValueError(f"FLUTE codes must lie in [0, {1 << num_bits}) for {num_bits}-bit weights")
+    if num_bits == 3:
+        return flute_bitplanes.pack_3bit(values)
     fields = _shuffle(values, num_bits, tile_p).reshape(-1, WORD_BITS // num_bits)
     shifts = torch.arange(0, WORD_BITS, num_bits, device=codes.device)
     words = (fields << shifts).sum(-1)
@@ -141,6 +148,8 @@ def unpack_flute(
     """Inverse of :func:`pack_flute`: the ``[K, N]`` codes (int64)."""
     k = data.shape[1]
     _check_geometry(k, n, num_bits, tile_p)
+    if num_bits == 3:
+        return flute_bitplanes.unpack_3bit(data, n)
     words = data.T.reshape(-1, 1).to(torch.int64) & 0xFFFF
     shifts = torch.arange(0, WORD_BITS, num_bits, device=data.device)
     fields = ((words >> shifts) & ((1 << num_bits) - 1)).reshape(-1)

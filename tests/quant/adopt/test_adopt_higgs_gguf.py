@@ -14,20 +14,23 @@ from qlens.quant.codecs.higgs import dequantize_higgs, pack_flute, tables2_from_
 from qlens.quant.codecs.registry import dequantizer_for
 
 
-def test_higgs_linear():
+@pytest.mark.parametrize("bits,n", [(4, 256), (3, 512)])
+def test_higgs_linear(bits, n):
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (128, 256), generator=gen)  # [K, N] per-element codes
-    grid = torch.randn(256, 2, generator=gen).to(torch.bfloat16)
-    scales = (torch.rand(256, 4, generator=gen) * 0.01).to(torch.bfloat16)
+    size = 1 << bits
+    codes = torch.randint(0, size, (128, n), generator=gen)  # [K, N] per-element codes
+    grid = torch.randn(size * size, 2, generator=gen).to(torch.bfloat16)
+    scales = (torch.rand(n, 4, generator=gen) * 0.01).to(torch.bfloat16)
     module = HiggsLinear(
-        128, 256, num_bits=4, bias=False, dtype=torch.bfloat16, group_size=32, hadamard_size=64
+        128, n, num_bits=bits, bias=False, dtype=torch.bfloat16, group_size=32, hadamard_size=64
     )
     # As after transformers' loading: FLUTE-packed weight for the template chosen at tuning
-    # (template 20 of the 4-bit table has TileP 32), the grid's bf16 bits labelled float16.
-    module.weight.data = pack_flute(codes, 4, 32)
+    # (template 20 of the 4-bit table and 8 of the 2/3-bit one have TileP 32), the grid's bf16
+    # bits labelled float16.
+    module.weight.data = pack_flute(codes, bits, 32)
     module.scales.data = scales
-    module.tables2.data = tables2_from_grid(grid, 4).view(torch.float16)
-    module.tune_metadata = SimpleNamespace(template_id=20)
+    module.tables2.data = tables2_from_grid(grid, bits).view(torch.float16)
+    module.tune_metadata = SimpleNamespace(template_id=20 if bits == 4 else 8)
     assert is_quantized_module(module)
     payload = adopt_module(module)
     assert payload.layout == {"packing": "flute", "tile_p": 32, "hadamard_size": 64}
@@ -36,9 +39,9 @@ def test_higgs_linear():
     h = torch.ones(1, 1)
     while h.shape[0] < 64:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    pairs = grid.float().reshape(16, 16, 2)[codes[0::2], codes[1::2]]  # [K/2, N, 2]
-    values = pairs.permute(1, 0, 2).reshape(256, 128) * scales.float().repeat_interleave(32, 1)
-    expected = (values.reshape(256, 2, 64) @ h).reshape(256, 128) / 8
+    pairs = grid.float().reshape(size, size, 2)[codes[0::2], codes[1::2]]  # [K/2, N, 2]
+    values = pairs.permute(1, 0, 2).reshape(n, 128) * scales.float().repeat_interleave(32, 1)
+    expected = (values.reshape(n, 2, 64) @ h).reshape(n, 128) / 8
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     module.tune_metadata = None
     with pytest.raises(ValueError, match="no tune_metadata.template_id"):
