@@ -25,7 +25,7 @@ from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.linear import reduce_splits, store_tile, weight_only_linear
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.weights import INT4, MXFP4, NVFP4, KernelWeight
+from qlens.kernels.weights import KernelWeight
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def word_view(w: KernelWeight) -> Tensor | None:
     ``QLENS_WORD_GEMV=0`` asks for the byte-wise kernel.
     """
     data = w.data
-    if w.family not in (INT4, MXFP4, NVFP4) or data.shape[1] % 4 or data.data_ptr() % 16:
+    if not w.packed or data.shape[1] % 4 or data.data_ptr() % 16:
         return None
     if os.environ.get(WORD_GEMV_ENV) == "0":
         return None
