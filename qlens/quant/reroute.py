@@ -24,12 +24,10 @@ from torch import Tensor, nn
 
 from qlens.quant.modules.dispatch import (
     check_payload_device,
-    experts_in_one_launch,
+    fused_experts_forward,
     payload_linear,
 )
 from qlens.quant.modules.expert_gate import ExpertGate
-from qlens.quant.modules.expert_payloads import select_expert
-from qlens.quant.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
 
 logger = logging.getLogger(__name__)
@@ -194,24 +192,9 @@ def _experts_forward(
     first_bias = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
     down_bias = getattr(self, "down_proj_bias", None)
     activate = _gate_fn(self) if has_gate else self.act_fn
-
-    def expert_fn(expert: int, x: Tensor) -> Tensor:
-        h = payload_linear(x, select_expert(first, expert), _row(first_bias, expert))
-        return payload_linear(activate(h), select_expert(down, expert), _row(down_bias, expert))
-
-    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-        from qlens.kernels import experts_linear
-
-        h = experts_linear(x, first, ids, first_bias, ids_in_range=True)
-        return experts_linear(activate(h), down, ids, down_bias, ids_in_range=in_range)
-
-    num_experts = int(first.shape[0])
-    in_range = int(down.shape[0]) >= num_experts  # route_to_experts clamps ids below num_experts
-    one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
-    return route_to_experts(
-        hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,
-        rows_fn if one_launch else None,
-    )  # fmt: skip
+    return fused_experts_forward(
+        hidden_states, top_k_index, top_k_weights, first, down, first_bias, down_bias, activate
+    )
 
 
 def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:
@@ -220,10 +203,6 @@ def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:
         return own
     # Mxfp4GptOssExperts: the kernel fuses GPT-OSS' interleaved, clamped SwiGLU.
     return ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit).apply
-
-
-def _row(bias: Tensor | None, expert: int) -> Tensor | None:
-    return None if bias is None else bias[expert]
 
 
 def _mxfp4_mlp_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor]:

@@ -56,7 +56,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     """Few (token, route) rows on an accelerator take one experts-GEMV launch per projection
     (faked here: the interpreter runs the kernels on CPU tensors); same result as the loop, and
     no host-side check of the (clamped) expert ids."""
-    import qlens.quant.modules.experts as experts_module
+    import qlens.quant.modules.dispatch as dispatch_module
 
     model = make_model(family)
     quantized = quantize(model, scheme).get_submodule("model.layers.0.mlp.experts")
@@ -65,7 +65,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     index[1, 0] = 4  # a skipped route
     with torch.no_grad():
         loop = quantized(x, index, weights)
-        monkeypatch.setattr(experts_module, "experts_in_one_launch", lambda *a: True)
+        monkeypatch.setattr(dispatch_module, "experts_in_one_launch", lambda *a: True)
         monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
         fused = quantized(x, index, weights)
     torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4)

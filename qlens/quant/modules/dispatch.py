@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.quant.modules.expert_payloads import num_experts_of, select_expert
+from qlens.quant.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
 
 logger = logging.getLogger(__name__)
@@ -38,11 +41,52 @@ def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: i
     rows for its one-launch GEMV, and formats the kernels read."""
     from qlens import kernels
     from qlens.kernels.experts import FUSED_EXPERT_ROWS
-    from qlens.quant.modules.expert_payloads import select_expert
 
     if x.device.type == "cpu" or not 0 < rows <= FUSED_EXPERT_ROWS:
         return False
     return all(kernels.supports(select_expert(p, 0), x.device) for p in payloads)
+
+
+def fused_experts_forward(
+    hidden_states: Float[Tensor, "tokens hidden"],
+    top_k_index: Integer[Tensor, "tokens k"],
+    top_k_weights: Float[Tensor, "tokens k"],
+    first: QuantPayload,
+    down: QuantPayload,
+    first_bias: Float[Tensor, "experts inner"] | None,
+    down_bias: Float[Tensor, "experts hidden"] | None,
+    activate: Callable[[Tensor], Tensor],
+) -> Float[Tensor, "tokens hidden"]:
+    """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads for every routed
+    (token, expert) pair, weighted and summed as ``route_to_experts`` does (ids outside
+    ``[0, experts of first)`` skipped).
+
+    Few rows on an accelerator run each projection in one launch (``experts_in_one_launch``),
+    with no host sync: the routing clamps the ids, so ``experts_linear`` skips its range check.
+    Otherwise each hit expert runs its two payload linears.
+    """
+    num_experts = num_experts_of(first)
+
+    def expert_fn(expert: int, x: Tensor) -> Tensor:
+        h = payload_linear(x, select_expert(first, expert), _row(first_bias, expert))
+        return payload_linear(activate(h), select_expert(down, expert), _row(down_bias, expert))
+
+    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+        from qlens.kernels import experts_linear
+
+        h = experts_linear(x, first, ids, first_bias, ids_in_range=True)
+        return experts_linear(activate(h), down, ids, down_bias, ids_in_range=down_in_range)
+
+    down_in_range = num_experts_of(down) >= num_experts
+    one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
+    return route_to_experts(
+        hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,
+        rows_fn if one_launch else None,
+    )  # fmt: skip
+
+
+def _row(bias: Tensor | None, expert: int) -> Tensor | None:
+    return None if bias is None else bias[expert]
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -7,15 +7,10 @@ from typing import Any
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import (
-    check_payload_device,
-    experts_in_one_launch,
-    payload_linear,
-)
+from qlens.quant.modules.dispatch import check_payload_device, fused_experts_forward
 from qlens.quant.modules.expert_gate import ExpertGate
-from qlens.quant.modules.expert_payloads import num_experts_of, select_expert
+from qlens.quant.modules.expert_payloads import num_experts_of
 from qlens.quant.modules.payload_buffers import PayloadModule
-from qlens.quant.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
 
 
@@ -99,25 +94,9 @@ class QuantExperts(PayloadModule):
         gate_up, down = self.gate_up_payload, self.down_payload
         check_payload_device(gate_up, hidden_states, "QuantExperts")
 
-        def expert_fn(expert: int, x: Tensor) -> Tensor:
-            up_bias = None if self.gate_up_bias is None else self.gate_up_bias[expert]
-            down_bias = None if self.down_bias is None else self.down_bias[expert]
-            h = payload_linear(x, select_expert(gate_up, expert), up_bias)
-            return payload_linear(self.gate.apply(h), select_expert(down, expert), down_bias)
-
-        def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-            from qlens.kernels import experts_linear
-
-            # route_to_experts clamps the ids to [0, num_experts), the payloads' expert count
-            h = experts_linear(x, gate_up, ids, self.gate_up_bias, ids_in_range=True)
-            return experts_linear(
-                self.gate.apply(h), down, ids, self.down_bias, ids_in_range=True
-            )  # fmt: skip
-
-        one_launch = experts_in_one_launch((gate_up, down), hidden_states, index.numel())
-        return route_to_experts(
-            hidden_states, index, weights, self.num_experts, expert_fn,
-            rows_fn if one_launch else None,
+        return fused_experts_forward(
+            hidden_states, index, weights, gate_up, down, self.gate_up_bias, self.down_bias,
+            self.gate.apply,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
