@@ -60,19 +60,21 @@ SPLITK_MAX_M = 64
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
 # kernel); FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
-# rows. Other weights take the byte-wise GEMV up to 4 rows and the tensor-core split-K up to 32.
-# Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to
-# cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
-# benchmark shapes).
+# rows. Other weights take the byte-wise GEMV up to 4 rows (16 x 512 tiles, loads pipelined
+# 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/
+# pipelining_h200.md; pipelining the word-wise one-row loop was slower) and the tensor-core
+# split-K up to 32. Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
+# above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
+# three of the four benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (1, "gemv", 16, 4, 1024, 1, 3),
-    (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 3),
+    (1, "gemv", 16, 4, 1024, 1, 1),
+    (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 1),
     (16, "gemv", 16, 64, 128, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 32, 256, 4, 3),
+    (GEMV_MAX_M, "gemv", 16, 16, 512, 4, 4),
     (32, "splitk", 16, 128, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )

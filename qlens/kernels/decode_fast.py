@@ -259,6 +259,7 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
     (few rows) or tensor-core dots in the activations' dtype ``X_DTYPE`` (``USE_DOT``,
@@ -304,7 +305,7 @@ def packed_gemv_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        for k0 in range(k_begin, k_full, BLOCK_K):
+        for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
                 N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,

@@ -36,7 +36,7 @@ def _gemv_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
@@ -49,7 +49,7 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=LOOP_STAGES):
         if PACKED:
             even, odd = decode_packed_halves(
                 data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
@@ -145,6 +145,9 @@ def _packed_gemv(
     else:
         block_m = max(16, cfg.block_m) if use_dot else _block_m(m, FMA_MAX_ROWS)
     split = cfg.split_k
+    # Pipelined loads stage whole operands in shared memory: fine for one row, but the
+    # several-row product reads x as [M, N, words] and would stage N copies of it.
+    loop_stages = cfg.num_stages if block_m == 1 else 1
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
     interpret = interpreting()
@@ -159,7 +162,7 @@ def _packed_gemv(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
-        EXPERTS=experts is not None, INTERPRET=interpret,
+        EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -234,6 +237,6 @@ def _byte_gemv(
         target.stride(0) if split > 1 else 0,
         **kernel_constants(w), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=split, INTERPRET=interpreting(),
+        SPLIT_K=split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -86,7 +86,7 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     assert (word.path, word.block_n, word.block_k, word.split_k) == ("gemv", 4, 1024, 1)
     two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)
     assert (two_rows.block_n, two_rows.block_k) == (32, 1024)
-    assert (byte.path, byte.block_n, byte.block_k) == ("gemv", 32, 256)
+    assert (byte.path, byte.block_n, byte.block_k, byte.num_stages) == ("gemv", 16, 512, 4)
     assert choose_config(16, 28672, 8192, gpu, packed_words=True).path == "gemv"
     assert choose_config(16, 28672, 8192, gpu).path == "splitk"
     assert choose_config(32, 28672, 8192, gpu, packed_words=True).path == "splitk"
