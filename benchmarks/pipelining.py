@@ -1,13 +1,14 @@
-"""Software-pipelined loads in the FMA GEMVs and the dequantize kernel, swept on the H200.
+"""Software-pipelined loads in the one-row FMA GEMVs, swept on the H200.
 
 Triton pipelines a loop's loads (``cp.async`` into shared memory, ``stages`` deep) only when the
 loop asks for it (``tl.range(..., num_stages=...)``) or its loads feed a tensor-core dot. The
-GEMV's K loop and the dequantize kernel's K tiles take the depth from their launch
-(``LinearConfig.num_stages``, ``DequantLaunch.stages``; 1 = no pipelining). This sweeps it:
+GEMVs' K loops take the depth from their launch (``LinearConfig.num_stages``; 1 = no
+pipelining; the word-wise GEMV pipelines only its one-row loop). This sweeps it per launch and
+depth, one row of ``x``: the word-wise GEMV for int4 / MXFP4 / NVFP4 and the byte-wise one for
+fp8-block, against bf16 ``F.linear`` in the same run.
 
-- one-row GEMV (word-wise for int4 / MXFP4 / NVFP4, byte-wise for fp8-block) per launch and
-  depth, against bf16 ``F.linear`` in the same run;
-- dequantize to bf16 per tiles-per-program and depth, against the same-run copy ceiling.
+The dequantize kernel was swept the same way (several K tiles per program, pipelined) at commit
+f6d78d5; it stayed within 2% of one tile per program, and that variant was removed.
 
 Run on a CUDA GPU: ``python benchmarks/pipelining.py``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/pipelining_h200.md``.
@@ -19,11 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.dequant import DequantLaunch
 from qlens.kernels.timing import (
     clone_payload,
     copies_for,
-    copy_bandwidths,
     header,
     publish,
     time_graph,
@@ -36,15 +35,6 @@ WORD_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 WORD_LAUNCHES = ((4, 1024, 1), (8, 1024, 1), (4, 2048, 2), (8, 2048, 2))
 BYTE_LAUNCHES = ((32, 256, 4), (16, 512, 4), (64, 256, 4))
 STAGES = (1, 2, 3, 4)
-DEQUANT_SHAPE = (28672, 8192)
-DEQUANT_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}), ("fp8-block", {}))
-DEQUANT_WORK = tuple(
-    DequantLaunch(16, 1024, 4, tiles_k=t, stages=s)
-    for t, s in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 3), (8, 2), (8, 3))
-) + (
-    DequantLaunch(32, 1024, 8, tiles_k=4, stages=2),
-    DequantLaunch(16, 2048, 8, tiles_k=4, stages=2),
-)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -92,48 +82,13 @@ def gemv_rows() -> list[str]:
     return rows
 
 
-def dequant_rows(copy_tbs: float) -> list[str]:
-    rows = [
-        "| scheme | " + " | ".join(
-            f"{d.block_n}x{d.block_k} w{d.num_warps} t{d.tiles_k} s{d.stages}" for d in DEQUANT_WORK
-        ) + " | best % of copy | bit-exact |",
-        "|---|" + "---|" * (len(DEQUANT_WORK) + 2),
-    ]  # fmt: skip
-    torch.manual_seed(0)
-    w = torch.randn(*DEQUANT_SHAPE, device="cuda", dtype=torch.bfloat16) * 0.02
-    for scheme, kw in DEQUANT_SCHEMES:
-        p = quantize_weight(w, scheme, **kw)
-        nbytes = p.nbytes + w.numel() * 2
-        times, exact = [], True
-        want = dequantize_triton(p, torch.bfloat16, launch=DequantLaunch(16, 1024, 4))
-        for d in DEQUANT_WORK:
-            times.append(
-                time_graph([lambda d=d, p=p: dequantize_triton(p, torch.bfloat16, launch=d)])
-            )
-            exact = exact and torch.equal(dequantize_triton(p, torch.bfloat16, launch=d), want)
-        best = 100 * nbytes / min(times) / 1e6 / copy_tbs
-        cells = " | ".join(f"{t:.1f}" for t in times)
-        rows.append(f"| {scheme} | {cells} | {best:.0f}% | {exact} |")
-        print(rows[-1], flush=True)
-    return rows
-
-
 def main() -> None:
-    copies = copy_bandwidths()
-    copy_tbs = max(copies.values())
     out = [
-        header("Software-pipelined loads: FMA GEMV (M = 1) and dequantize"),
-        "- copy bandwidth (read + write): "
-        + ", ".join(f"{name} {tbs:.2f} TB/s" for name, tbs in copies.items()),
+        header("Software-pipelined loads: one-row FMA GEMV"),
         "",
         "## One-row GEMV, us per call",
         "",
         *gemv_rows(),
-        "",
-        f"## Dequantize {DEQUANT_SHAPE[0]} x {DEQUANT_SHAPE[1]} to bf16, us per call "
-        "(t: K tiles per program, s: pipeline stages)",
-        "",
-        *dequant_rows(copy_tbs),
     ]
     publish("\n".join(out), "pipelining_h200.md")
 

@@ -46,53 +46,40 @@ def _dequant_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    TILES_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """``TILES_K`` consecutive ``BLOCK_N x BLOCK_K`` tiles along K per program, their loads
-    software-pipelined ``LOOP_STAGES`` deep (1: none)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(1) * TILES_K
-    for t in tl.range(first, first + TILES_K, num_stages=LOOP_STAGES):
-        k0 = t * BLOCK_K
-        if PACKED:
-            even, odd = decode_packed_halves(
-                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
-                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
-                EVEN_K,
-            )  # fmt: skip
-            w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
-        else:
-            w = decode_byte_tile(
-                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
-                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
-                EVEN_K,
-            )  # fmt: skip
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-        tl.store(
-            out_ptr + offs_n[:, None] * stride_o + offs_k[None, :],
-            cast_out(w, out_ptr.dtype.element_ty, INTERPRET),
-            mask=mask,
-        )
+    k0 = tl.program_id(1) * BLOCK_K
+    if PACKED:
+        even, odd = decode_packed_halves(
+            data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+            FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+    else:
+        w = decode_byte_tile(
+            data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+            FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    tl.store(
+        out_ptr + offs_n[:, None] * stride_o + offs_k[None, :],
+        cast_out(w, out_ptr.dtype.element_ty, INTERPRET),
+        mask=mask,
+    )
 
 
 @dataclass(frozen=True)
 class DequantLaunch:
-    """Work of one dequantize program: ``tiles_k`` tiles of ``block_n`` rows by ``block_k``
-    columns along K, loads pipelined ``stages`` deep (1: none)."""
+    """Tile of one dequantize program: ``block_n`` rows by ``block_k`` columns."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    tiles_k: int = 1
-    stages: int = 1
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_n=self.block_n, block_k=self.block_k)
-        if self.tiles_k < 1 or self.stages < 1:
-            raise ValueError(f"tiles_k and stages must be >= 1, got {self.tiles_k}, {self.stages}")
 
 
 # GPU default: the best tile overall of the sweep in benchmarks/results/dequant_h200.md (H200).
@@ -143,15 +130,10 @@ def dequantize_triton(
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
     tile = launch or default_launch(w.n)
     block_n, block_k = tile.block_n, tile.block_k
-    k_tiles = triton.cdiv(w.k, block_k)
-    grid = (triton.cdiv(w.n, block_n), triton.cdiv(k_tiles, tile.tiles_k))
-    # Tiles past K (a last program's share) load masked, like a ragged last tile.
-    even_k = w.k % block_k == 0 and k_tiles % tile.tiles_k == 0
+    grid = (triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))
     with on_device(out.device):
         _dequant_kernel[grid](
             *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
-            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even_k,
-            TILES_K=tile.tiles_k, LOOP_STAGES=tile.stages, INTERPRET=interpreting(),
-            num_warps=tile.num_warps,
+            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
         )  # fmt: skip
     return out

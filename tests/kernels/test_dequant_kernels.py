@@ -7,7 +7,6 @@ import torch
 from kernel_cases import SCHEMES, quantized, scheme_id
 
 from qlens.kernels import dequantize_triton
-from qlens.kernels.dequant import DequantLaunch
 from qlens.quant.dequantize import dequantize
 
 
@@ -18,21 +17,6 @@ def test_dequantize_triton_is_bit_exact(case):
         out = dequantize_triton(payload, dtype)
         assert out.dtype == dtype
         assert torch.equal(out, dequantize(payload, dtype))
-
-
-@pytest.mark.parametrize("case", SCHEMES[:5], ids=scheme_id)
-def test_dequantize_triton_several_tiles_per_program(case):
-    """Three K tiles per program over five tiles of a ragged K: the last program's third tile
-    lies past K entirely and must store nothing."""
-    payload = quantized(20, 300, case)
-    launch = DequantLaunch(16, 64, 4, tiles_k=3, stages=2)
-    assert torch.equal(dequantize_triton(payload, torch.float32, launch=launch),
-                       dequantize(payload, torch.float32))  # fmt: skip
-
-
-def test_dequant_launch_rejects_zero_tiles():
-    with pytest.raises(ValueError, match="tiles_k and stages must be >= 1"):
-        DequantLaunch(16, 64, tiles_k=0)
 
 
 def test_e8m0_special_bytes_decode_exactly():

@@ -7,7 +7,6 @@ import torch
 from kernel_cases import SCHEMES, quantized, rel_err, scheme_id
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.dequant import DequantLaunch
 from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
 from qlens.kernels.runtime import interpreting
@@ -38,16 +37,6 @@ def test_dequantize_kernel_bit_exact_on_gpu(case):
     p = quantized(300, 520, case).to("cuda")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(dequantize_triton(p, dtype), dequantize(p, dtype))
-
-
-@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
-def test_dequantize_pipelined_tiles_bit_exact_on_gpu(case):
-    """Several K tiles per program with pipelined loads, a ragged K and tiles past its end."""
-    p = quantized(300, 1000, case).to("cuda")
-    want = dequantize(p, torch.bfloat16)
-    for tiles_k, stages in ((2, 1), (3, 2), (4, 3), (8, 2)):
-        launch = DequantLaunch(16, 128, 4, tiles_k=tiles_k, stages=stages)
-        assert torch.equal(dequantize_triton(p, torch.bfloat16, launch=launch), want), launch
 
 
 @pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
