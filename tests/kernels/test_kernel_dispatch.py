@@ -14,9 +14,10 @@ def test_small_batches_take_the_decode_paths_and_large_the_gemm_path():
     cpu = torch.device("cpu")
     for m in (1, GEMV_MAX_M):
         assert choose_config(m, 4096, 4096, cpu).path == "gemv"
-        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "splitk"
+        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "gemv"
     for m in (GEMV_MAX_M + 1, SPLITK_MAX_M):
         assert choose_config(m, 4096, 4096, cpu).path == "splitk"
+        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "splitk"
     for m in (SPLITK_MAX_M + 1, 4096):
         assert choose_config(m, 4096, 4096, cpu).path == "gemm"
 
