@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from qlens.kernels.configs import LinearConfig, choose_config
-from qlens.kernels.dispatch import quantized_linear, supports
+from qlens.kernels.dispatch import dequantized_linear, quantized_linear, supports
 from qlens.kernels.experts import experts_linear
 from qlens.kernels.reference import reference_linear
 
@@ -19,6 +19,7 @@ __all__ = [
     "LinearConfig",
     "choose_config",
     "dequantize_triton",
+    "dequantized_linear",
     "experts_linear",
     "quantized_linear",
     "reference_linear",

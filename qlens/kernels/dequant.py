@@ -101,6 +101,13 @@ _FORMAT_KERNELS = {
 }
 
 
+def has_dequantize_kernel(payload: QuantPayload) -> bool:
+    """Whether ``dequantize_triton`` has a kernel for ``payload``'s format and layout."""
+    from qlens.kernels.weights import unsupported_reason
+
+    return payload.format.name in _FORMAT_KERNELS or unsupported_reason(payload) is None
+
+
 def dequantize_triton(
     payload: QuantPayload,
     dtype: torch.dtype = torch.bfloat16,

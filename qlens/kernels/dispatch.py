@@ -90,3 +90,23 @@ def quantized_linear(
 
         out = weight_only_linear(x2, w, bias, config)
     return out.reshape(*lead, w.n)
+
+
+def dequantized_linear(
+    x: Float[Tensor, "*batch k"],
+    payload: QuantPayload,
+    bias: Float[Tensor, " n"] | None = None,
+) -> Float[Tensor, "*batch n"]:
+    """``x @ W.T + bias`` with ``W`` decoded by ``dequantize_triton`` in ``x``'s dtype (bit-exact
+    with ``qlens.dequantize``), then a cuBLAS matmul: the GPU route for payloads whose format
+    has a dequantize kernel but no fused linear (bitsandbytes, GGUF, BitNet)."""
+    from qlens.kernels.dequant import dequantize_triton
+
+    require_kernel_device(x.device)
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(
+            f"dequantized_linear takes {[str(d) for d in ACTIVATION_DTYPES]} activations, got "
+            f"{x.dtype}; cast the input first"
+        )
+    weight = dequantize_triton(payload, x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

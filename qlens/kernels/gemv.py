@@ -81,6 +81,7 @@ def _gemv_kernel(
 
 
 WORD_GEMV_ENV = "QLENS_WORD_GEMV"
+DOT_W_LEFT_ENV = "QLENS_DOT_W_LEFT"  # A/B switch of the tensor-core GEMV's operand order
 
 
 def word_view(w: KernelWeight) -> Tensor | None:
@@ -169,6 +170,7 @@ def _packed_gemv(
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
         EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
+        W_LEFT=use_dot and os.environ.get(DOT_W_LEFT_ENV) == "1",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -45,3 +45,22 @@ def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
     scale = expected.abs().max().item()
     # bf16 activations and bias (H200: <= 1% of the logit scale)
     assert (low - expected).abs().max().item() < 0.05 * scale
+
+
+def test_dequantize_only_formats_take_the_triton_dequantize_then_cublas() -> None:
+    """GGUF Q4_1 has a dequantize kernel but no fused linear: on the GPU it is decoded by that
+    kernel (bit-exact with the codec) and multiplied by cuBLAS, never the torch reference."""
+    from qlens.kernels.reference import reference_linear
+    from qlens.quant.adopt.higgs_gguf import gguf_payload
+    from qlens.quant.codecs.gguf import Q4_1
+    from qlens.quant.modules.dispatch import payload_linear
+
+    blocks = torch.randint(0, 256, (96, 256 // 32 * Q4_1.type_size), dtype=torch.uint8)
+    halfs = (torch.randn(96 * 256 // 32, 2) * 0.01).to(torch.float16)
+    blocks.view(-1, Q4_1.type_size)[:, :4] = halfs.view(torch.uint8)
+    payload = gguf_payload(blocks, Q4_1.type_id)
+    x = torch.randn(5, 256)
+    expected = reference_linear(x.double(), payload)
+    got = payload_linear(x.cuda(), payload.to("cuda")).cpu()
+    # float32 weights bit-exact with the codec; cuBLAS fp32 (TF32 off by default) sums in another order.
+    assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-6

@@ -23,15 +23,25 @@ def payload_linear(
 ) -> Float[Tensor, "*batch out_features"]:
     """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
 
-    Uses ``qlens.kernels.quantized_linear`` on an accelerator that supports the payload's format,
-    and ``qlens.kernels.reference_linear`` (dequantize then matmul) everywhere else.
+    Uses ``qlens.kernels.quantized_linear`` on an accelerator that supports the payload's format;
+    formats with only a dequantize kernel (bitsandbytes, GGUF, BitNet) take
+    ``qlens.kernels.dequantized_linear`` (Triton dequantize, then cuBLAS) there; everything else
+    runs ``qlens.kernels.reference_linear`` (torch dequantize, then matmul).
     """
     from qlens import kernels
+    from qlens.kernels.dequant import has_dequantize_kernel
+    from qlens.kernels.runtime import kernel_device_problem
 
     if x.device.type != "cpu":
         if kernels.supports(payload, x.device):
             return kernels.quantized_linear(x, payload, bias)
-        _warn_reference_on_accelerator(payload, x.device)
+        if kernel_device_problem(x.device) is None and has_dequantize_kernel(payload):
+            try:
+                return kernels.dequantized_linear(x, payload, bias)
+            except ValueError as err:  # a layout the kernel refuses: the reference still runs
+                _warn_reference_on_accelerator(payload, x.device, str(err))
+        else:
+            _warn_reference_on_accelerator(payload, x.device)
     return kernels.reference_linear(x, payload, bias)
 
 
@@ -92,12 +102,14 @@ def _row(bias: Tensor | None, expert: int) -> Tensor | None:
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _warn_reference_on_accelerator(payload: QuantPayload, device: torch.device) -> None:
+def _warn_reference_on_accelerator(
+    payload: QuantPayload, device: torch.device, reason: str | None = None
+) -> None:
     """Say once per format and reason that an accelerator runs the slow reference path."""
     from qlens.kernels.runtime import kernel_device_problem
     from qlens.kernels.weights import unsupported_reason
 
-    reason = kernel_device_problem(device) or unsupported_reason(payload) or "unsupported"
+    reason = reason or kernel_device_problem(device) or unsupported_reason(payload) or "unsupported"
     key = (payload.format.name, reason)
     if key not in _WARNED:
         _WARNED.add(key)

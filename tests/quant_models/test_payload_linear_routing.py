@@ -1,0 +1,74 @@
+"""Where ``payload_linear`` sends a quantized matmul on an accelerator: the fused kernels, the
+Triton dequantize kernel then cuBLAS, or the torch reference, each said once in the log."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import qlens.kernels
+from qlens.kernels.dequant import has_dequantize_kernel
+from qlens.quant.adopt.higgs_gguf import gguf_payload
+from qlens.quant.codecs.gguf import Q4_1
+from qlens.quant.modules import dispatch
+from qlens.quant.quantize import quantize_weight
+
+
+def _q4_1(n: int = 8, k: int = 64) -> qlens.QuantPayload:
+    blocks = torch.randint(0, 256, (n, k // 32 * Q4_1.type_size), dtype=torch.uint8)
+    halfs = (torch.randn(n * k // 32, 2) * 0.01).to(torch.float16)
+    blocks.view(-1, Q4_1.type_size)[:, :4] = halfs.view(torch.uint8)
+    return gguf_payload(blocks, Q4_1.type_id)
+
+
+@pytest.fixture
+def accelerator(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """Activations on the meta device, with every kernel entry point replaced by a recorder."""
+    calls: list[str] = []
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
+    monkeypatch.setattr(
+        qlens.kernels, "supports", lambda payload, device: payload.format.name == "int4"
+    )
+
+    def recorder(name: str):
+        def call(x, payload, bias=None):
+            calls.append(name)
+            return torch.empty(*x.shape[:-1], payload.shape[0], device=x.device)
+
+        return call
+
+    for name in ("quantized_linear", "dequantized_linear", "reference_linear"):
+        monkeypatch.setattr(qlens.kernels, name, recorder(name))
+    x = torch.empty(2, 64, device="meta")
+    x.calls = calls  # type: ignore[attr-defined]
+    return x
+
+
+def test_dequantize_kernel_coverage():
+    assert has_dequantize_kernel(_q4_1())
+    assert has_dequantize_kernel(quantize_weight(torch.randn(8, 64), "int4", group_size=32))
+
+
+def test_fused_kernels_first_then_dequantize_kernel(accelerator, caplog):
+    with caplog.at_level(logging.WARNING):
+        dispatch.payload_linear(accelerator, quantize_weight(torch.randn(8, 64), "int4"))
+        dispatch.payload_linear(accelerator, _q4_1())
+    assert accelerator.calls == ["quantized_linear", "dequantized_linear"]
+    assert not caplog.records  # neither is the slow reference
+
+
+def test_refused_layout_falls_back_to_the_reference_and_says_why(accelerator, monkeypatch, caplog):
+    def refuse(x, payload, bias=None):
+        raise ValueError("this GGUF payload permutes its input columns")
+
+    monkeypatch.setattr(qlens.kernels, "dequantized_linear", refuse)
+    with caplog.at_level(logging.WARNING):
+        dispatch.payload_linear(accelerator, _q4_1())
+        dispatch.payload_linear(accelerator, _q4_1())
+    assert accelerator.calls == ["reference_linear", "reference_linear"]
+    assert len(caplog.records) == 1  # once per format and reason
+    assert "permutes its input columns" in caplog.records[0].getMessage()
+    assert "gguf_q4_1" in caplog.records[0].getMessage()
