@@ -12,8 +12,11 @@ the fastest of three device copies measured in the same run (``timing.copy_bandw
 from __future__ import annotations
 
 import argparse
+from typing import no_type_check
 
 import torch
+import triton
+import triton.language as tl
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
@@ -79,6 +82,48 @@ def best_tile(p, nbytes: int) -> tuple[DequantLaunch, float, list[str]]:
     return best[0], best[1], lines
 
 
+@triton.jit
+@no_type_check
+def _expand_kernel(src_ptr, dst_ptr, OUT_PER_BYTE: tl.constexpr, BLOCK: tl.constexpr):
+    """Each byte read becomes ``OUT_PER_BYTE`` bf16 values written: a dequantize's traffic with
+    no decode, addressed in the output's own layout (repeated byte addresses, served by L1)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    byte = tl.load(src_ptr + offs // OUT_PER_BYTE)
+    tl.store(dst_ptr + offs, byte.to(tl.float32).to(tl.bfloat16))
+
+
+@triton.jit
+@no_type_check
+def _expand_join_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
+    """The 1:4 expansion with wide byte loads, each byte's value written twice (``tl.join``, as
+    the packed dequantize kernel interleaves its even and odd codes)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    value = tl.load(src_ptr + offs).to(tl.float32).to(tl.bfloat16)
+    out_offs = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(dst_ptr + out_offs, tl.reshape(tl.join(value, value), (2 * BLOCK,)))
+
+
+def expand_ceilings(nbytes_out: int = 1 << 30) -> dict[str, float]:
+    """TB/s (bytes read plus written) of pure byte-to-bf16 expansions, 1:4 (a 4-bit weight to
+    bf16, two ways) and 1:2 (8-bit): the dequantize kernels' traffic without their arithmetic."""
+    dst = torch.empty(nbytes_out // 2, dtype=torch.bfloat16, device="cuda")
+    block = 4096
+    src4 = torch.randint(0, 256, (dst.numel() // 2,), dtype=torch.uint8, device="cuda")
+    src2 = torch.randint(0, 256, (dst.numel(),), dtype=torch.uint8, device="cuda")
+    runs = {
+        "expand 1:4": (src4, lambda: _expand_kernel[(dst.numel() // block,)](src4, dst, 2, block)),
+        "expand 1:4 (join)": (
+            src4,
+            lambda: _expand_join_kernel[(src4.numel() // block,)](src4, dst, block),
+        ),
+        "expand 1:2": (src2, lambda: _expand_kernel[(dst.numel() // block,)](src2, dst, 1, block)),
+    }
+    return {
+        name: (src.numel() + nbytes_out) / time_graph([call] * 4) / 1e6
+        for name, (src, call) in runs.items()
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP")
@@ -90,6 +135,8 @@ def main():
         "- copy bandwidth (read + write), the ceiling below is the fastest: "
         + ", ".join(f"{name} {tbs:.2f} TB/s" for name, tbs in copies.items())
         + f"; shape {SHAPE[0]} x {SHAPE[1]} -> bf16",
+        "- the same traffic without arithmetic (byte -> bf16 expansion, Triton): "
+        + ", ".join(f"{name} {tbs:.2f} TB/s" for name, tbs in expand_ceilings().items()),
         "",
         f"| scheme | bytes in+out (MB) | Triton us ({GPU_DEQUANT_LAUNCH.block_n}x"
         f"{GPU_DEQUANT_LAUNCH.block_k} w{GPU_DEQUANT_LAUNCH.num_warps}) | TB/s | % of copy | "
