@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.act_quant import ACT_QUANT_BLOCK_M, quantize_activations
+from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, quantize_activations
 from qlens.kernels.timing import (
     clone_payload,
     copies_for,

@@ -60,17 +60,17 @@ SPLITK_MAX_M = 64
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
 # kernel); FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
-# rows. Other weights take the byte-wise GEMV up to 4 rows (16 x 512 tiles, loads pipelined
+# rows, over 64 x 256 tiles (the fastest of four tiles for every scheme and benchmark layer,
+# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV up to 4 rows (16 x 512 tiles, loads pipelined
 # 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/
 # pipelining_h200.md; pipelining the word-wise one-row loop was slower) and the tensor-core
 # split-K up to 32. Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
-# up to 4 rows to the byte-wise GEMV, which quantizes the activations in-kernel (the fp8 weight
-# streams once, as for W8A16), up to 16 to the Triton split-K and above to cuBLAS' blockwise
-# FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four benchmark shapes).
+# above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
+# three of the four benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 1),
-    (16, "gemv", 16, 64, 128, 4, 3),
+    (16, "gemv", 16, 64, 256, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
@@ -80,7 +80,6 @@ _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 16, 512, 4, 4),
     (16, "splitk", 16, 64, 128, 4, 4),
     (1 << 62, "cublas", 128, 128, 128, 8, 3),
 )
@@ -90,7 +89,6 @@ _DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _DEFAULT_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 64, 128, 4, 3),
     (SPLITK_MAX_M, "splitk", 64, 64, 128, 4, 3),
     (1 << 62, "gemm", 128, 128, 128, 8, 3),
 )
@@ -150,7 +148,8 @@ def choose_config(
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``).
     """
     if interpreting():
-        return interpreter_config(m, n, k)
+        gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
+        return interpreter_config(m, n, k, "splitk" if gemv_less else None)
     h200 = "H200" in gpu_name(device)
     if w8a8:
         table = _H200_W8A8 if h200 else _DEFAULT_W8A8

@@ -218,29 +218,16 @@ def _fma_tile(
 
 @triton.jit
 @no_type_check
-def _dot_acc_w_left(w, x, acc, INTERPRET: tl.constexpr):
-    """``acc + w @ x.T`` (``acc`` is ``[BLOCK_N, BLOCK_M]``): the decoded weight is the left
-    operand, which Hopper's tensor cores read from registers, so it skips shared memory."""
-    if INTERPRET or x.dtype == tl.float32:
-        return tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        return tl.dot(w.to(x.dtype), tl.trans(x), acc)
-
-
-@triton.jit
-@no_type_check
 def _dot_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
-    X_DTYPE: tl.constexpr, W_LEFT: tl.constexpr, INTERPRET: tl.constexpr,
+    X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``acc[m, n] += x[m, k0:k0 + BLOCK_K] @ W[n, k0:k0 + BLOCK_K]`` on tensor cores: one dot
-    per code position ``j`` over the words of the tile; ``x`` comes regrouped in its dtype.
-    ``W_LEFT``: ``acc`` is transposed (``[BLOCK_N, BLOCK_M]``) and the weight is the left
-    operand."""
+    per code position ``j`` over the words of the tile; ``x`` comes regrouped in its dtype."""
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
@@ -257,10 +244,7 @@ def _dot_tile(
             w = w * scale
         else:
             w = (w * _FACTOR_C) * scale
-        if W_LEFT:
-            acc = _dot_acc_w_left(w, x, acc, INTERPRET)
-        else:
-            acc = _dot_acc(x, w, acc, INTERPRET)
+        acc = _dot_acc(x, w, acc, INTERPRET)
     return acc
 
 
@@ -275,11 +259,11 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, W_LEFT: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
     (few rows) or tensor-core dots in the activations' dtype ``X_DTYPE`` (``USE_DOT``,
-    ``BLOCK_M >= 16``; ``W_LEFT``: the decoded weight is the dots' left operand).
+    ``BLOCK_M >= 16``).
 
     ``EXPERTS`` (one row per program): row ``m`` multiplies the weight of expert
     ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
@@ -299,28 +283,22 @@ def packed_gemv_kernel(
     k_end = tl.minimum(k_begin + k_span, K)
     k_full = tl.maximum(k_begin, k_end - k_end % BLOCK_K)
     if USE_DOT:
-        if W_LEFT:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_begin, k_full, BLOCK_K):
             acc = _dot_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
                 N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
                 HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE,
-                W_LEFT, INTERPRET,
+                INTERPRET,
             )  # fmt: skip
         if k_full < k_end:
             acc = _dot_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
                 M, N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
                 HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE,
-                W_LEFT, INTERPRET,
+                INTERPRET,
             )  # fmt: skip
-        if W_LEFT:
-            total = tl.trans(acc)
-        else:
-            total = acc
+        total = acc
     else:
         ONE_ROW: tl.constexpr = BLOCK_M == 1
         if ONE_ROW:

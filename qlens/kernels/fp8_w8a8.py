@@ -1,8 +1,6 @@
-"""W8A8 block FP8: per-token 1 x group activation quantization (``act_quant``), then an FP8
-tensor-core GEMM with the activation and weight block scales applied once per K block; a few
-rows take the byte-wise GEMV, which quantizes them in-kernel."""
+"""W8A8 block FP8: per-token 1 x group activation quantization, then an FP8 tensor-core GEMM
+with the activation and weight block scales applied once per K block."""
 
-from dataclasses import replace
 from typing import no_type_check
 
 import torch
@@ -11,15 +9,67 @@ import triton.language as tl
 from jaxtyping import Float, Float8e4m3fn
 from torch import Tensor
 
-from qlens.kernels.act_quant import quantize_activations
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import e8m0_to_f32
-from qlens.kernels.gemv import gemv_linear
 from qlens.kernels.launch import on_device
 from qlens.kernels.linear import grouped_tile, reduce_splits, store_tile
+from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import FP8_BLOCK, KernelWeight
 from qlens.quant.codecs.elements import decode_e8m0
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+@no_type_check
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    offs_k = g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(amax, 448.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    if INTERPRET:
+        codes = f32_to_e4m3_bits(v)
+    else:
+        codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
+
+
+# Rows per activation-quantization program on a GPU (one program: BLOCK_M rows x one group).
+ACT_QUANT_BLOCK_M = 16
+
+
+def quantize_activations(
+    x: Float[Tensor, "m k"], group: int = 128, *, block_m: int | None = None
+) -> tuple[Float8e4m3fn[Tensor, "m k"], Float[Tensor, "m groups"]]:
+    """Per-token, per-``group`` dynamic FP8: ``x ~ q * s`` with ``s = amax / 448`` (1 for zeros).
+
+    Returns e4m3 codes ``[m, k]`` and float32 scales ``[m, ceil(k / group)]`` stored
+    column-major (strides ``(1, m)``), the layout cuBLAS' blockwise FP8 GEMM takes, so no
+    transposing copy follows. ``block_m`` overrides the rows per program (benchmarks sweep it).
+    """
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    if block_m is None:
+        block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
+    with on_device(x.device):
+        _act_quant_kernel[(triton.cdiv(m, block_m), groups)](
+            x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
+            scales.stride(1), GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
+        )  # fmt: skip
+    return codes.view(torch.float8_e4m3fn), scales
 
 
 @triton.jit
@@ -76,21 +126,13 @@ def fp8_block_w8a8_linear(
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
 ) -> Float[Tensor, "m n"]:
-    """``quant(x) @ W.T + bias`` for a block-FP8 weight, activations quantized per token.
-
-    The ``"gemv"`` path (a few rows) quantizes ``x`` inside the weight-only GEMV; the others
-    quantize it first (``quantize_activations``), then run an FP8 GEMM (Triton or cuBLAS).
-    """
+    """``quant(x) @ W.T + bias`` for a block-FP8 weight, activations quantized per token."""
     if w.family != FP8_BLOCK:
         raise ValueError(f"W8A8 runs fp8_block weights only, got {w.name}")
     if w.group_k > 256:
         raise ValueError(f"W8A8 needs a weight block of at most 256 along K, got {w.group_k}")
     m, k = x.shape
     n = w.n
-    if cfg.path == "gemv":
-        # K tiles must hold whole activation groups (both are powers of two).
-        tile = replace(cfg, block_k=max(cfg.block_k, w.group_k))
-        return gemv_linear(x, w, bias, tile, act_group=w.group_k)
     a, a_scales = quantize_activations(x, w.group_k)
     if cfg.path == "cublas" and cublas_blockwise_fits(m, w, x.device, x.dtype):
         return _cublas_blockwise(a, a_scales, w, bias, x.dtype)

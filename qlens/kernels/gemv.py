@@ -19,7 +19,6 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.act_quant import quantize_dequantize_tile
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.decode_fast import packed_gemv_kernel
@@ -37,11 +36,8 @@ def _gemv_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, ACT_GROUP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """``ACT_GROUP > 0`` (one-byte weights): ``x`` is first quantized to e4m3 per group of
-    ``ACT_GROUP`` and dequantized, in registers: W8A8's numerics at the weight-only GEMV's cost."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -71,17 +67,14 @@ def _gemv_kernel(
                 EVEN_K,
             )  # fmt: skip
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
-            if ACT_GROUP > 0:
-                x = quantize_dequantize_tile(x, BLOCK_K, ACT_GROUP, INTERPRET)
-            acc += w * x[None, :]
+            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
+            acc += w * x.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
     store_tile(total[None, :], out_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M, N, stride_om,
                stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 WORD_GEMV_ENV = "QLENS_WORD_GEMV"
-DOT_W_LEFT_ENV = "QLENS_DOT_W_LEFT"  # A/B switch of the tensor-core GEMV's operand order
 
 
 def word_view(w: KernelWeight) -> Tensor | None:
@@ -170,7 +163,6 @@ def _packed_gemv(
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
         EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
-        W_LEFT=use_dot and os.environ.get(DOT_W_LEFT_ENV) == "1",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -204,26 +196,16 @@ def gemv_linear(
     w: KernelWeight,
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
-    *,
-    act_group: int = 0,
 ) -> Float[Tensor, "m n"]:
     """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel.
 
     Packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
-    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond. ``act_group > 0`` (W8A8,
-    one-byte weights, byte-wise GEMV at any row count): each row of ``x`` is quantized to e4m3
-    per ``act_group`` columns in-kernel, exactly as ``quantize_activations`` does.
+    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond.
     """
     m, k = x.shape
-    words = None if act_group else word_view(w)
-    if act_group and (w.packed or cfg.block_k % act_group):
-        raise ValueError(
-            f"the W8A8 GEMV needs a one-byte weight and block_k a multiple of the activation "
-            f"group {act_group}; got {w.name} with block_k {cfg.block_k}"
-        )
-    if words is None and m > GEMV_MAX_M and not act_group:
-        # the byte-wise GEMV re-reads the weight per row
+    words = word_view(w)
+    if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
     out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     split = cfg.split_k
@@ -234,7 +216,7 @@ def gemv_linear(
         if words is not None:
             _packed_gemv(x, w, words, bias, cfg, target)
         else:
-            _byte_gemv(x, w, bias, cfg, target, act_group)
+            _byte_gemv(x, w, bias, cfg, target)
     if split > 1:
         reduce_splits(target, bias, out)
     return out
@@ -246,7 +228,6 @@ def _byte_gemv(
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
     target: Tensor,
-    act_group: int,
 ) -> None:
     m, k = x.shape
     split = cfg.split_k
@@ -256,7 +237,6 @@ def _byte_gemv(
         target.stride(0) if split > 1 else 0,
         **kernel_constants(w), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=split, LOOP_STAGES=cfg.num_stages, ACT_GROUP=act_group,
-        INTERPRET=interpreting(),
+        SPLIT_K=split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

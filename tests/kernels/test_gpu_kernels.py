@@ -7,7 +7,7 @@ import torch
 from kernel_cases import SCHEMES, quantized, rel_err, scheme_id
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.act_quant import quantize_activations
+from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import kernel_weight

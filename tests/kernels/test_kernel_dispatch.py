@@ -14,10 +14,9 @@ def test_small_batches_take_the_decode_paths_and_large_the_gemm_path():
     cpu = torch.device("cpu")
     for m in (1, GEMV_MAX_M):
         assert choose_config(m, 4096, 4096, cpu).path == "gemv"
-        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "gemv"
+        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "splitk"
     for m in (GEMV_MAX_M + 1, SPLITK_MAX_M):
         assert choose_config(m, 4096, 4096, cpu).path == "splitk"
-        assert choose_config(m, 4096, 4096, cpu, w8a8=True).path == "splitk"
     for m in (SPLITK_MAX_M + 1, 4096):
         assert choose_config(m, 4096, 4096, cpu).path == "gemm"
 
@@ -88,7 +87,8 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)
     assert (two_rows.block_n, two_rows.block_k) == (32, 1024)
     assert (byte.path, byte.block_n, byte.block_k, byte.num_stages) == ("gemv", 16, 512, 4)
-    assert choose_config(16, 28672, 8192, gpu, packed_words=True).path == "gemv"
+    sixteen = choose_config(16, 28672, 8192, gpu, packed_words=True)
+    assert (sixteen.path, sixteen.block_n, sixteen.block_k) == ("gemv", 64, 256)
     assert choose_config(16, 28672, 8192, gpu).path == "splitk"
     assert choose_config(32, 28672, 8192, gpu, packed_words=True).path == "splitk"
     assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"

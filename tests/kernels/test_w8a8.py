@@ -7,7 +7,7 @@ import torch
 from kernel_cases import quantized, rel_err
 
 from qlens.kernels import LinearConfig, quantized_linear
-from qlens.kernels.act_quant import quantize_activations
+from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
 
 FP8_CASES = (("fp8-block", {}), ("fp8-block", {"scale_dtype": "e8m0"}))
@@ -46,40 +46,6 @@ def test_w8a8_matches_reference(case, config):
     assert out.shape == (2, 9, 70) and out.dtype == torch.bfloat16
     # float32 products of exactly the reference's codes: only the bf16 output rounding remains.
     assert rel_err(out, ref) < 4e-3
-
-
-@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: str(c[1]) or "fp32")
-@pytest.mark.parametrize(
-    "config",
-    (None, LinearConfig("gemv", 16, 16, 256, split_k=2), LinearConfig("gemv", 16, 32, 64)),
-    ids=("auto", "gemv-split", "gemv-narrow-k"),
-)
-def test_w8a8_gemv_quantizes_activations_in_kernel(case, config):
-    """A few rows take the byte-wise GEMV, which quantizes each 1 x 128 group of x in registers:
-    it matches the W8A8 reference to float32 rounding and misses the weight-only one by the
-    activation quantization error. K = 300 leaves a ragged last group (its tail reads zeros);
-    a K tile narrower than the group is widened to it."""
-    from qlens.kernels.reference import reference_linear
-
-    payload = quantized(70, 300, case)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 300, generator=gen) * torch.logspace(-3, 2, 300)
-    x[1, 128:256] = 0.0  # an all-zero group: scale 1, codes 0
-    bias = torch.randn(70, generator=gen)
-    out = quantized_linear(x, payload, bias, w8a8=True, config=config)
-    w8a8 = reference_w8a8_linear(x.double(), payload, bias.double())
-    weight_only = reference_linear(x.double(), payload, bias.double())
-    assert rel_err(out, w8a8) < 1e-5
-    assert rel_err(out, weight_only) > 1e-3
-
-
-def test_w8a8_gemv_refuses_packed_weights_and_split_groups():
-    from qlens.kernels.gemv import gemv_linear
-    from qlens.kernels.weights import kernel_weight
-
-    fp8 = kernel_weight(quantized(16, 256, ("fp8-block", {})))
-    with pytest.raises(ValueError, match="block_k a multiple of the activation group 128"):
-        gemv_linear(torch.randn(1, 256), fp8, None, LinearConfig("gemv", 16, 16, 64), act_group=128)
 
 
 def test_w8a8_rejects_other_formats():
