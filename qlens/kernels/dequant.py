@@ -18,6 +18,7 @@ from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.weights import kernel_weight
+from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.payload import QuantPayload
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -137,7 +138,7 @@ def dequantize_triton(
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
     tile = launch or default_launch(w.n)
     block_n, block_k = tile.block_n, tile.block_k
-    grid = (triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))
+    grid = (ceil_div(w.n, block_n), ceil_div(w.k, block_k))
     with on_device(out.device):
         _dequant_kernel[grid](
             *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),

@@ -148,7 +148,7 @@ def dequantize_bitnet_triton(
         data = payload.data.reshape(packed_rows, -1)
         n, k = shape[0], data.shape[1]
         block_r, block_k, warps = INTERPRETER_TILE if interpreting() else GPU_TILE
-        grid = (triton.cdiv(packed_rows, block_r), triton.cdiv(k, block_k))
+        grid = (ceil_div(packed_rows, block_r), ceil_div(k, block_k))
         with on_device(out.device):
             _bitnet_kernel[grid](
                 data, scale, out, invalid, n, k, packed_rows, data.stride(0), data.stride(1),

@@ -161,7 +161,7 @@ def _dequantize_4bit(payload: QuantPayload, dtype: torch.dtype, check_values: bo
     block, warps = INTERPRETER_4BIT_TILE if interpreting() else GPU_4BIT_TILE
     block = max(block, blocksize)
     with on_device(out.device):
-        _bnb_4bit_kernel[(triton.cdiv(numel, block),)](
+        _bnb_4bit_kernel[(ceil_div(numel, block),)](
             packed.reshape(-1), floats["extra.code"], absmax, *statistics, out, numel,
             BLOCKSIZE=blocksize, NESTED=nested, NESTED_BLOCKSIZE=nested_blocksize, BLOCK=block,
             INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=False,
@@ -181,7 +181,7 @@ def _dequantize_int8(payload: QuantPayload, dtype: torch.dtype, check_values: bo
     if out.numel() == 0:
         return out
     block_n, block_k, warps = INTERPRETER_INT8_TILE if interpreting() else GPU_INT8_TILE
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    grid = (ceil_div(n, block_n), ceil_div(k, block_k))
     with on_device(out.device):
         _bnb_int8_kernel[grid](
             q, scb, out, n, k, q.stride(0), q.stride(1),

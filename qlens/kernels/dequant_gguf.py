@@ -21,6 +21,7 @@ from torch import Tensor
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
+from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.gguf import (
     Q4_0,
     Q4_1,
@@ -158,7 +159,7 @@ def dequantize_gguf_triton(
     data = payload.data.reshape(rows, -1)
     block_n, blocks, warps = INTERPRETER_TILE if interpreting() else GPU_TILE
     blocks = min(blocks, triton.next_power_of_2(k // GGML_BLOCK))
-    grid = (triton.cdiv(rows, block_n), triton.cdiv(k // GGML_BLOCK, blocks))
+    grid = (ceil_div(rows, block_n), ceil_div(k // GGML_BLOCK, blocks))
     with on_device(out.device):
         _gguf_kernel[grid](
             data, data if perm is None else perm, out, rows, k, data.stride(0), data.stride(1),

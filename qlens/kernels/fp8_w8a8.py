@@ -16,6 +16,7 @@ from qlens.kernels.linear import grouped_tile, reduce_splits, store_tile
 from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import FP8_BLOCK, KernelWeight
+from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.elements import decode_e8m0
 
 E4M3_MAX = 448.0
@@ -59,13 +60,13 @@ def quantize_activations(
     transposing copy follows. ``block_m`` overrides the rows per program (benchmarks sweep it).
     """
     m, k = x.shape
-    groups = triton.cdiv(k, group)
+    groups = ceil_div(k, group)
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     if block_m is None:
         block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     with on_device(x.device):
-        _act_quant_kernel[(triton.cdiv(m, block_m), groups)](
+        _act_quant_kernel[(ceil_div(m, block_m), groups)](
             x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
             scales.stride(1), GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
         )  # fmt: skip
@@ -140,7 +141,7 @@ def fp8_block_w8a8_linear(
     split = cfg.split_k if cfg.path == "splitk" else 1
     block_m = cfg.block_m if cfg.path != "cublas" else (128 if m > 64 else 64)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, cfg.block_n), split)
+    grid = (ceil_div(m, block_m) * ceil_div(n, cfg.block_n), split)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
         _fp8_block_gemm_kernel[grid](

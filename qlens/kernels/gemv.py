@@ -26,6 +26,7 @@ from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.linear import reduce_splits, store_tile, weight_only_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import KernelWeight
+from qlens.quant.codecs.checks import ceil_div
 
 
 @triton.jit
@@ -148,7 +149,7 @@ def _packed_gemv(
     # Pipelined loads stage whole operands in shared memory: fine for one row, but the
     # several-row product reads x as [M, N, words] and would stage N copies of it.
     loop_stages = cfg.num_stages if block_m == 1 else 1
-    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, block_m), split)
+    grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
     interpret = interpreting()
     packed_gemv_kernel[grid](
@@ -231,7 +232,7 @@ def _byte_gemv(
 ) -> None:
     m, k = x.shape
     split = cfg.split_k
-    _gemv_kernel[(triton.cdiv(w.n, cfg.block_n), m, split)](
+    _gemv_kernel[(ceil_div(w.n, cfg.block_n), m, split)](
         x, *kernel_args(w), bias if bias is not None else x, target,
         m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
         target.stride(0) if split > 1 else 0,

@@ -15,6 +15,7 @@ from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import KernelWeight
+from qlens.quant.codecs.checks import ceil_div
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def weight_only_linear(
     interpret = interpreting()
     split = cfg.split_k if cfg.path == "splitk" else 1
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), split)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
         _weight_only_kernel[grid](
@@ -176,7 +177,7 @@ def reduce_splits(
     split, m, n = partials.shape
     block = 1024
     with on_device(out.device):
-        _reduce_splits_kernel[(triton.cdiv(m * n, block),)](
+        _reduce_splits_kernel[(ceil_div(m * n, block),)](
             partials, bias if bias is not None else out, out, m, n, partials.stride(0), n, n,
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=interpreting(),
         )  # fmt: skip

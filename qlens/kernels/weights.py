@@ -67,12 +67,38 @@ def _expect(cond: bool, payload: QuantPayload, what: str) -> None:
         raise ValueError(f"qlens kernels cannot read this {payload.format.name} payload: {what}")
 
 
+# Attribute of a QuantPayload holding its last launch view and what it was built from.
+_VIEW_ATTR = "_qlens_kernel_weight"
+
+
 def kernel_weight(payload: QuantPayload) -> KernelWeight:
     """Check ``payload`` against the qlens layout of its format and return its launch view.
 
     Raises ``ValueError`` naming what does not match; payloads in other packings should be
-    converted first (``qlens.quant.codecs.intgroup.repack_to_qlens``) or dequantized.
+    converted first (``qlens.quant.codecs.intgroup.repack_to_qlens``) or dequantized. The view
+    is kept on the payload and returned again while its tensors are the same objects and its
+    format, shape and layout are unchanged (the checks cost more host time than a decode-step
+    kernel takes on a GPU).
     """
+    sources = (payload.data, payload.scales, payload.zeros, payload.global_scale)
+    cached = payload.__dict__.get(_VIEW_ATTR)
+    if cached is not None:
+        old_sources, fmt, shape, layout, view = cached
+        if (
+            all(a is b for a, b in zip(old_sources, sources, strict=True))
+            and fmt == payload.format
+            and shape == tuple(payload.shape)
+            and layout == payload.layout
+        ):
+            return view
+    view = _checked_view(payload)
+    payload.__dict__[_VIEW_ATTR] = (
+        sources, payload.format, tuple(payload.shape), dict(payload.layout), view
+    )  # fmt: skip
+    return view
+
+
+def _checked_view(payload: QuantPayload) -> KernelWeight:
     fmt = payload.format
     if fmt.name not in FAMILIES:
         raise ValueError(
