@@ -9,13 +9,22 @@ from torch import Tensor
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
 from qlens.kernels.gemv import ExpertRows, experts_gemv, word_view
-from qlens.kernels.weights import KernelWeight, kernel_weight
+from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.payload import QuantPayload
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
 FUSED_EXPERT_ROWS = 64
+
+
+def _first_expert_view(payload: QuantPayload) -> KernelWeight | None:
+    """The kernel view of expert 0, or ``None`` for a format or layout the kernels do not read
+    (then experts run one by one)."""
+    try:
+        return kernel_weight(select_expert(payload, 0))
+    except ValueError:
+        return None
 
 
 def stacked_experts(
@@ -30,11 +39,8 @@ def stacked_experts(
     if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
-    try:
-        w = kernel_weight(select_expert(payload, 0))
-    except ValueError:  # a format or layout the kernels do not read: experts run one by one
-        return None
-    if word_view(w) is None:
+    w = cached_on_payload(payload, "first_expert_view", _first_expert_view)
+    if w is None or word_view(w) is None:
         return None
     rows = ExpertRows(
         ids=expert_ids.to(torch.int32).contiguous(),

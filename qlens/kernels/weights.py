@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 
 from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.payload import QuantPayload
+
+T = TypeVar("T")
 
 # Format family codes: compile-time constants of the kernels.
 FP8_BLOCK, MXFP8, MXFP4, NVFP4, INT4, INT8 = range(6)
@@ -67,8 +71,26 @@ def _expect(cond: bool, payload: QuantPayload, what: str) -> None:
         raise ValueError(f"qlens kernels cannot read this {payload.format.name} payload: {what}")
 
 
-# Attribute of a QuantPayload holding its last launch view and what it was built from.
-_VIEW_ATTR = "_qlens_kernel_weight"
+def cached_on_payload(payload: QuantPayload, name: str, build: Callable[[QuantPayload], T]) -> T:
+    """``build(payload)``, kept on the payload under ``name`` and returned again while its tensors
+    are the same objects and its format, shape and layout are unchanged (errors are not kept)."""
+    sources = (payload.data, payload.scales, payload.zeros, payload.global_scale)
+    attr = f"_qlens_{name}"
+    cached = payload.__dict__.get(attr)
+    if cached is not None:
+        old_sources, fmt, shape, layout, value = cached
+        if (
+            all(a is b for a, b in zip(old_sources, sources, strict=True))
+            and fmt == payload.format
+            and shape == tuple(payload.shape)
+            and layout == payload.layout
+        ):
+            return cast(T, value)
+    value = build(payload)
+    payload.__dict__[attr] = (
+        sources, payload.format, tuple(payload.shape), dict(payload.layout), value
+    )  # fmt: skip
+    return value
 
 
 def kernel_weight(payload: QuantPayload) -> KernelWeight:
@@ -76,26 +98,10 @@ def kernel_weight(payload: QuantPayload) -> KernelWeight:
 
     Raises ``ValueError`` naming what does not match; payloads in other packings should be
     converted first (``qlens.quant.codecs.intgroup.repack_to_qlens``) or dequantized. The view
-    is kept on the payload and returned again while its tensors are the same objects and its
-    format, shape and layout are unchanged (the checks cost more host time than a decode-step
-    kernel takes on a GPU).
+    is kept on the payload (``cached_on_payload``): the checks cost more host time than a
+    decode-step kernel takes on a GPU.
     """
-    sources = (payload.data, payload.scales, payload.zeros, payload.global_scale)
-    cached = payload.__dict__.get(_VIEW_ATTR)
-    if cached is not None:
-        old_sources, fmt, shape, layout, view = cached
-        if (
-            all(a is b for a, b in zip(old_sources, sources, strict=True))
-            and fmt == payload.format
-            and shape == tuple(payload.shape)
-            and layout == payload.layout
-        ):
-            return view
-    view = _checked_view(payload)
-    payload.__dict__[_VIEW_ATTR] = (
-        sources, payload.format, tuple(payload.shape), dict(payload.layout), view
-    )  # fmt: skip
-    return view
+    return cached_on_payload(payload, "kernel_weight", _checked_view)
 
 
 def _checked_view(payload: QuantPayload) -> KernelWeight:

@@ -68,6 +68,21 @@ def test_experts_outside_whole_words_run_one_by_one(monkeypatch):
     assert rel_err(experts_linear(x, payload, ids), ref) < 1e-6
 
 
+def test_first_expert_view_is_kept_until_the_payload_changes():
+    from qlens.kernels.experts import stacked_experts
+
+    payload = quantize_weight(torch.randn(3, 16, 64), "int4", group_size=32)
+    ids = torch.tensor([2, 0])
+    w, _ = stacked_experts(payload, ids)
+    assert stacked_experts(payload, ids)[0] is w
+    payload.data = payload.data.clone()  # another tensor: the view is built again, on it
+    again, rows = stacked_experts(payload, ids)
+    assert again is not w and again.data.data_ptr() == payload.data.data_ptr()
+    assert rows.words == again.data.numel() // 4
+    odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
+    assert stacked_experts(odd, ids) is None and stacked_experts(odd, ids) is None
+
+
 def test_experts_linear_rejects_bad_expert_ids():
     payload = quantize_weight(torch.randn(2, 8, 32), "int8", group_size=32)
     with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 2\)"):
