@@ -18,9 +18,14 @@ from qlens.quant.payload import QuantPayload
 FUSED_EXPERT_ROWS = 64
 
 
-def _first_expert_view(payload: QuantPayload) -> KernelWeight | None:
-    """The kernel view of expert 0, or ``None`` for a format or layout the kernels do not read
-    (then experts run one by one)."""
+def first_expert_view(payload: QuantPayload) -> KernelWeight | None:
+    """The kernel view of expert 0 of an ``[experts, out, in]`` payload, or ``None`` for a
+    format or layout the kernels do not read (then experts run one by one); kept on the payload
+    (``cached_on_payload``)."""
+    return cached_on_payload(payload, "first_expert_view", _build_first_expert_view)
+
+
+def _build_first_expert_view(payload: QuantPayload) -> KernelWeight | None:
     try:
         return kernel_weight(select_expert(payload, 0))
     except ValueError:
@@ -39,7 +44,7 @@ def stacked_experts(
     if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
-    w = cached_on_payload(payload, "first_expert_view", _first_expert_view)
+    w = first_expert_view(payload)
     if w is None or word_view(w) is None:
         return None
     rows = ExpertRows(

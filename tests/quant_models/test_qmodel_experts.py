@@ -82,6 +82,19 @@ def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
     assert not experts_in_one_launch((payload,), meta, 0)
 
 
+def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
+    import dataclasses
+
+    monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
+    from qlens.quant.modules.dispatch import experts_in_one_launch
+
+    payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
+    meta = torch.empty(2, 64, device="meta")
+    assert experts_in_one_launch((payload,), meta, 2)
+    foreign = dataclasses.replace(payload, layout={"packing": "gptq"})  # not the qlens packing
+    assert not experts_in_one_launch((payload, foreign), meta, 2)
+
+
 def test_select_expert_views_one_expert() -> None:
     weight = torch.randn(3, 32, 64)
     payload = quantize_weight(weight, "nvfp4")

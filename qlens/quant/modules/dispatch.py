@@ -49,12 +49,14 @@ def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: i
     """True when ``rows`` (token, expert) pairs of fused experts ``payloads`` ``[experts, out,
     in]`` can run through ``qlens.kernels.experts_linear`` on ``x``'s accelerator: few enough
     rows for its one-launch GEMV, and formats the kernels read."""
-    from qlens import kernels
-    from qlens.kernels.experts import FUSED_EXPERT_ROWS
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, first_expert_view
+    from qlens.kernels.runtime import kernel_device_problem
 
     if x.device.type == "cpu" or not 0 < rows <= FUSED_EXPERT_ROWS:
         return False
-    return all(kernels.supports(select_expert(p, 0), x.device) for p in payloads)
+    if kernel_device_problem(x.device) is not None:
+        return False
+    return all(first_expert_view(p) is not None for p in payloads)
 
 
 def fused_experts_forward(
