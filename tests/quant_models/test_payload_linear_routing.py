@@ -24,8 +24,9 @@ def _q4_1(n: int = 8, k: int = 64) -> qlens.QuantPayload:
 
 
 @pytest.fixture
-def accelerator(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    """Activations on the meta device, with every kernel entry point replaced by a recorder."""
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The kernel entry points called, each replaced by a recorder; the meta device counts as a
+    kernel device."""
     calls: list[str] = []
     monkeypatch.setattr(dispatch, "_WARNED", set())
     monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
@@ -42,9 +43,10 @@ def accelerator(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
 
     for name in ("quantized_linear", "dequantized_linear", "reference_linear"):
         monkeypatch.setattr(qlens.kernels, name, recorder(name))
-    x = torch.empty(2, 64, device="meta")
-    x.calls = calls  # type: ignore[attr-defined]
-    return x
+    return calls
+
+
+ACTIVATIONS = torch.empty(2, 64, device="meta")
 
 
 def test_dequantize_kernel_coverage():
@@ -52,23 +54,23 @@ def test_dequantize_kernel_coverage():
     assert has_dequantize_kernel(quantize_weight(torch.randn(8, 64), "int4", group_size=32))
 
 
-def test_fused_kernels_first_then_dequantize_kernel(accelerator, caplog):
+def test_fused_kernels_first_then_dequantize_kernel(calls, caplog):
     with caplog.at_level(logging.WARNING):
-        dispatch.payload_linear(accelerator, quantize_weight(torch.randn(8, 64), "int4"))
-        dispatch.payload_linear(accelerator, _q4_1())
-    assert accelerator.calls == ["quantized_linear", "dequantized_linear"]
+        dispatch.payload_linear(ACTIVATIONS, quantize_weight(torch.randn(8, 64), "int4"))
+        dispatch.payload_linear(ACTIVATIONS, _q4_1())
+    assert calls == ["quantized_linear", "dequantized_linear"]
     assert not caplog.records  # neither is the slow reference
 
 
-def test_refused_layout_falls_back_to_the_reference_and_says_why(accelerator, monkeypatch, caplog):
+def test_refused_layout_falls_back_to_the_reference_and_says_why(calls, monkeypatch, caplog):
     def refuse(x, payload, bias=None):
         raise ValueError("this GGUF payload permutes its input columns")
 
     monkeypatch.setattr(qlens.kernels, "dequantized_linear", refuse)
     with caplog.at_level(logging.WARNING):
-        dispatch.payload_linear(accelerator, _q4_1())
-        dispatch.payload_linear(accelerator, _q4_1())
-    assert accelerator.calls == ["reference_linear", "reference_linear"]
+        dispatch.payload_linear(ACTIVATIONS, _q4_1())
+        dispatch.payload_linear(ACTIVATIONS, _q4_1())
+    assert calls == ["reference_linear", "reference_linear"]
     assert len(caplog.records) == 1  # once per format and reason
     assert "permutes its input columns" in caplog.records[0].getMessage()
     assert "gguf_q4_1" in caplog.records[0].getMessage()
