@@ -114,6 +114,7 @@ def dequantize_triton(
     dtype: torch.dtype = torch.bfloat16,
     *,
     launch: DequantLaunch | None = None,
+    check_values: bool = True,
 ) -> Float[Tensor, "..."]:
     """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
 
@@ -121,11 +122,13 @@ def dequantize_triton(
     fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts, bitsandbytes NF4/FP4/int8,
     GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads. ``launch`` overrides the tile of the
     qlens layouts (benchmarks sweep it); the library layouts keep their own kernels' tiles.
+    ``check_values=False`` skips the library layouts' checks of their values (non-finite
+    scales, codes out of range: one device sync each), for payloads already checked.
     """
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
     if payload.format.name in _FORMAT_KERNELS:
-        return _FORMAT_KERNELS[payload.format.name](payload, dtype)
+        return _FORMAT_KERNELS[payload.format.name](payload, dtype, check_values=check_values)
     if len(payload.shape) == 3:
         from qlens.quant.modules.expert_payloads import select_expert
 

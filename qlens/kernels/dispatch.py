@@ -9,7 +9,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
-from qlens.kernels.weights import kernel_weight, unsupported_reason
+from qlens.kernels.weights import cached_on_payload, kernel_weight, unsupported_reason
 from qlens.quant.payload import QuantPayload
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,7 +99,10 @@ def dequantized_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` with ``W`` decoded by ``dequantize_triton`` in ``x``'s dtype (bit-exact
     with ``qlens.dequantize``), then a cuBLAS matmul: the GPU route for payloads whose format
-    has a dequantize kernel but no fused linear (bitsandbytes, GGUF, BitNet)."""
+    has a dequantize kernel but no fused linear (bitsandbytes, GGUF, BitNet).
+
+    The payload's values are checked on the first call only (and again once its tensors or
+    layout change), so later calls make no device sync."""
     from qlens.kernels.dequant import dequantize_triton
 
     require_kernel_device(x.device)
@@ -108,5 +111,12 @@ def dequantized_linear(
             f"dequantized_linear takes {[str(d) for d in ACTIVATION_DTYPES]} activations, got "
             f"{x.dtype}; cast the input first"
         )
-    weight = dequantize_triton(payload, x.dtype)
+    checked: list[Tensor] = []
+
+    def first_call(p: QuantPayload) -> bool:
+        checked.append(dequantize_triton(p, x.dtype))
+        return True
+
+    cached_on_payload(payload, "values_checked", first_call)
+    weight = checked[0] if checked else dequantize_triton(payload, x.dtype, check_values=False)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

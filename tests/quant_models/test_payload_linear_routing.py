@@ -10,6 +10,7 @@ import torch
 
 import qlens.kernels
 from qlens.kernels.dequant import has_dequantize_kernel
+from qlens.kernels.runtime import interpreting
 from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs.gguf import Q4_1
 from qlens.quant.modules import dispatch
@@ -74,3 +75,32 @@ def test_refused_layout_falls_back_to_the_reference_and_says_why(calls, monkeypa
     assert len(caplog.records) == 1  # once per format and reason
     assert "permutes its input columns" in caplog.records[0].getMessage()
     assert "gguf_q4_1" in caplog.records[0].getMessage()
+
+
+@pytest.mark.skipif(
+    not interpreting(), reason="runs the kernel on CPU tensors (TRITON_INTERPRET=1)"
+)
+def test_dequantized_linear_checks_values_once_per_payload(monkeypatch):
+    """In Triton's interpreter: exact against the reference, and the value checks (a device sync
+    each) run on the first call and again only after the payload's tensors change."""
+    import qlens.kernels.dequant as dequant_module
+    from qlens.kernels.dispatch import dequantized_linear
+    from qlens.kernels.reference import reference_linear
+
+    seen: list[bool] = []
+    kernel = dequant_module._FORMAT_KERNELS["gguf_q4_1"]
+
+    def spy(payload, dtype, *, check_values=True):
+        seen.append(check_values)
+        return kernel(payload, dtype, check_values=check_values)
+
+    monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", spy)
+    payload = _q4_1(16, 64)
+    x = torch.randn(3, 64)
+    expected = reference_linear(x.double(), payload)
+    for _ in range(3):
+        got = dequantized_linear(x, payload)
+        assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-6
+    payload.data = payload.data.clone()
+    dequantized_linear(x, payload)
+    assert seen == [True, False, False, True]
