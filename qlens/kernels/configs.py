@@ -31,7 +31,10 @@ def require_tile_sizes(minimum: int = 16, **sizes: int) -> None:
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """Tile sizes and launch parameters of one quantized linear launch."""
+    """Tile sizes and launch parameters of one quantized linear launch.
+
+    ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
+    GEMVs honour it too, the word-wise one for a single row only."""
 
     path: Path
     block_m: int
