@@ -9,7 +9,12 @@ from torch import Tensor
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
 from qlens.kernels.gemv import ExpertRows, experts_gemv, word_view
-from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight
+from qlens.kernels.weights import (
+    KernelWeight,
+    cached_on_payload,
+    kernel_weight,
+    reads_payload_memory,
+)
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.payload import QuantPayload
 
@@ -22,7 +27,12 @@ def first_expert_view(payload: QuantPayload) -> KernelWeight | None:
     """The kernel view of expert 0 of an ``[experts, out, in]`` payload, or ``None`` for a
     format or layout the kernels do not read (then experts run one by one); kept on the payload
     (``cached_on_payload``)."""
-    return cached_on_payload(payload, "first_expert_view", _build_first_expert_view)
+    return cached_on_payload(
+        payload,
+        "first_expert_view",
+        _build_first_expert_view,
+        lambda view: reads_payload_memory(view, payload),
+    )
 
 
 def _build_first_expert_view(payload: QuantPayload) -> KernelWeight | None:

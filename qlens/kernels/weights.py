@@ -71,9 +71,15 @@ def _expect(cond: bool, payload: QuantPayload, what: str) -> None:
         raise ValueError(f"qlens kernels cannot read this {payload.format.name} payload: {what}")
 
 
-def cached_on_payload(payload: QuantPayload, name: str, build: Callable[[QuantPayload], T]) -> T:
+def cached_on_payload(
+    payload: QuantPayload,
+    name: str,
+    build: Callable[[QuantPayload], T],
+    keep: Callable[[T], bool] = lambda value: True,
+) -> T:
     """``build(payload)``, kept on the payload under ``name`` and returned again while its tensors
-    are the same objects and its format, shape and layout are unchanged (errors are not kept)."""
+    are the same objects and its format, shape and layout are unchanged. Errors, and values
+    that ``keep`` refuses, are not kept."""
     sources = (payload.data, payload.scales, payload.zeros, payload.global_scale)
     attr = f"_qlens_{name}"
     cached = payload.__dict__.get(attr)
@@ -87,10 +93,27 @@ def cached_on_payload(payload: QuantPayload, name: str, build: Callable[[QuantPa
         ):
             return cast(T, value)
     value = build(payload)
-    payload.__dict__[attr] = (
-        sources, payload.format, tuple(payload.shape), dict(payload.layout), value
-    )  # fmt: skip
+    if keep(value):
+        payload.__dict__[attr] = (
+            sources, payload.format, tuple(payload.shape), dict(payload.layout), value
+        )  # fmt: skip
+    else:
+        payload.__dict__.pop(attr, None)
     return value
+
+
+def reads_payload_memory(view: KernelWeight | None, payload: QuantPayload) -> bool:
+    """Whether every tensor of ``view`` reads the memory of ``payload``'s own tensors (no copy
+    was made), so that in-place edits of the payload reach the view."""
+    if view is None:
+        return True
+    storages = {
+        t.untyped_storage().data_ptr()
+        for t in (payload.data, payload.scales, payload.zeros, payload.global_scale)
+        if t is not None
+    }
+    tensors = (view.data, view.scales, view.zeros, view.global_scale)
+    return all(t.untyped_storage().data_ptr() in storages for t in tensors if t is not None)
 
 
 def kernel_weight(payload: QuantPayload) -> KernelWeight:
@@ -99,9 +122,12 @@ def kernel_weight(payload: QuantPayload) -> KernelWeight:
     Raises ``ValueError`` naming what does not match; payloads in other packings should be
     converted first (``qlens.quant.codecs.intgroup.repack_to_qlens``) or dequantized. The view
     is kept on the payload (``cached_on_payload``): the checks cost more host time than a
-    decode-step kernel takes on a GPU.
+    decode-step kernel takes on a GPU. A view that had to copy (non-contiguous scales) is
+    rebuilt on every call, so in-place edits of the payload always reach the kernels.
     """
-    return cached_on_payload(payload, "kernel_weight", _checked_view)
+    return cached_on_payload(
+        payload, "kernel_weight", _checked_view, lambda view: reads_payload_memory(view, payload)
+    )
 
 
 def _checked_view(payload: QuantPayload) -> KernelWeight:

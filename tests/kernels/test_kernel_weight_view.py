@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from kernel_cases import quantized
 
 from qlens.kernels.weights import kernel_weight
@@ -41,3 +42,12 @@ def test_bad_payloads_are_checked_on_every_call():
     for _ in range(2):
         with pytest.raises(ValueError, match="scales must have shape"):
             kernel_weight(payload)
+
+
+def test_a_view_that_copied_is_rebuilt_so_in_place_edits_reach_it():
+    payload = quantized(32, 256, ("int4", {"group_size": 64}))
+    payload.scales = payload.scales.t().contiguous().t()  # same values, column-major
+    view = kernel_weight(payload)
+    assert view.scales.is_contiguous() and kernel_weight(payload) is not view
+    payload.scales.mul_(2)  # in place, on the payload's own (non-contiguous) tensor
+    assert torch.equal(kernel_weight(payload).scales, payload.scales)
