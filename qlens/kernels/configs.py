@@ -64,10 +64,10 @@ SPLITK_MAX_M = 64
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
 # kernel); FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
 # rows, over 64 x 256 tiles (the fastest of four tiles for every scheme and benchmark layer,
-# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV up to 4 rows (16 x 512 tiles, loads pipelined
-# 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/
-# pipelining_h200.md; pipelining the word-wise one-row loop was slower) and the tensor-core
-# split-K up to 32. Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
+# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV up to
+# 4 rows (16 x 512 tiles, loads pipelined 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at
+# 32 x 256, benchmarks/results/pipelining_h200.md; pipelining the word-wise one-row loop was
+# slower) and the tensor-core split-K up to 32. Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
 # above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
 # three of the four benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (

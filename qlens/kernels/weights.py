@@ -58,7 +58,12 @@ class KernelWeight:
 
 
 def unsupported_reason(payload: QuantPayload) -> str | None:
-    """Why the kernels cannot read ``payload`` (``None`` when they can)."""
+    """Why the kernels cannot read ``payload`` (``None`` when they can); kept on the payload
+    (``cached_on_payload``), so a format the kernels refuse is not re-checked every forward."""
+    return cached_on_payload(payload, "unsupported_reason", _reason)
+
+
+def _reason(payload: QuantPayload) -> str | None:
     try:
         kernel_weight(payload)
     except ValueError as err:

@@ -51,3 +51,17 @@ def test_a_view_that_copied_is_rebuilt_so_in_place_edits_reach_it():
     assert view.scales.is_contiguous() and kernel_weight(payload) is not view
     payload.scales.mul_(2)  # in place, on the payload's own (non-contiguous) tensor
     assert torch.equal(kernel_weight(payload).scales, payload.scales)
+
+
+def test_a_refused_payload_is_not_rechecked_until_it_changes(monkeypatch):
+    import qlens.kernels.weights as weights
+
+    payload = quantized(32, 256, ("int4", {"group_size": 64}))
+    payload.layout["packing"] = "gptq"
+    first = weights.unsupported_reason(payload)
+    assert first is not None and "packing is 'gptq'" in first
+    monkeypatch.setattr(weights, "_checked_view", None)  # a re-check would fail
+    assert weights.unsupported_reason(payload) == first
+    payload.layout["packing"] = "qlens"
+    monkeypatch.undo()
+    assert weights.unsupported_reason(payload) is None
