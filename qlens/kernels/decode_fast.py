@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from qlens.kernels.decode import INT4_C, _expand, _group_values, _scales, _tile_groups
-from qlens.kernels.linear import _dot_acc, store_tile
+from qlens.kernels.linear import _dot_acc
+from qlens.kernels.splits import store_tile
 
 # Per register pair p (codes p and p + 4 of a word): left shifts (negative: right) that move the
 # magnitude bits to fp16 bits 11..9 and the sign to bit 15 of each 16-bit half.
@@ -251,13 +252,14 @@ def _dot_tile(
 @triton.jit
 @no_type_check
 def packed_gemv_kernel(
-    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, ids_ptr,
+    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
+    counter_ptr, ids_ptr,
     M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
     stride_we, stride_se, stride_ge,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
+    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -322,5 +324,7 @@ def packed_gemv_kernel(
             total = tl.sum(acc, axis=1)[None, :]
         else:
             total = tl.sum(acc, axis=2)
-    store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
-               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    tile_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    store_tile(total, out_ptr, partial_ptr, counter_ptr, tile_id, bias_ptr, offs_m, offs_n, M, N,
+               stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, SPLIT_SUM,
+               INTERPRET)  # fmt: skip

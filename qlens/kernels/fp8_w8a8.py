@@ -12,9 +12,10 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.launch import on_device
-from qlens.kernels.linear import grouped_tile, reduce_splits, store_tile
+from qlens.kernels.linear import grouped_tile
 from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.splits import split_target, store_tile
 from qlens.kernels.weights import FP8_BLOCK, KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.elements import decode_e8m0
@@ -76,11 +77,12 @@ def quantize_activations(
 @triton.jit
 @no_type_check
 def _fp8_block_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_om, stride_split,
     GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -117,8 +119,9 @@ def _fp8_block_gemm_kernel(
             d = tl.dot(a, tl.trans(w))
         acc += d * a_s[:, None] * w_s.to(tl.float32)[None, :]
 
-    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
-               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    store_tile(acc, out_ptr, partial_ptr, counter_ptr, tl.program_id(0), bias_ptr, offs_m, offs_n,
+               M, N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, SPLIT_SUM,
+               INTERPRET)  # fmt: skip
 
 
 def fp8_block_w8a8_linear(
@@ -140,23 +143,21 @@ def fp8_block_w8a8_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split = cfg.split_k if cfg.path == "splitk" else 1
     block_m = cfg.block_m if cfg.path != "cublas" else (128 if m > 64 else 64)
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (ceil_div(m, block_m) * ceil_div(n, cfg.block_n), split)
+    tiles = ceil_div(m, block_m) * ceil_div(n, cfg.block_n)
+    target = split_target(out, split, tiles)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
-        _fp8_block_gemm_kernel[grid](
-            a.view(torch.uint8), a_scales, w.data.view(torch.uint8), w.scales, bias_arg, target,
+        _fp8_block_gemm_kernel[(tiles, split)](
+            a.view(torch.uint8), a_scales, w.data.view(torch.uint8), w.scales, bias_arg, out,
+            target.partials, target.counters,
             m, n, k, a.stride(0), a_scales.stride(0), a_scales.stride(1), w.data.stride(0),
-            w.scales.stride(0), n,
-            target.stride(0) if split > 1 else 0,
+            w.scales.stride(0), n, target.stride_split,
             GROUP_N=w.group_n, SCALE_E8M0=w.scale_e8m0, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=w.group_k, SPLIT_K=split,
-            GROUP_M=cfg.group_m, INTERPRET=interpreting(),
+            SPLIT_SUM=target.in_kernel, GROUP_M=cfg.group_m, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if split > 1:
-        reduce_splits(target, bias, out)
-    return out
+    return target.finish(bias)
 
 
 def cublas_blockwise_fits(

@@ -23,8 +23,9 @@ from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.linear import reduce_splits, store_tile, weight_only_linear
+from qlens.kernels.linear import weight_only_linear
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.splits import SplitTarget, split_target, store_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -32,12 +33,13 @@ from qlens.quant.codecs.checks import ceil_div
 @triton.jit
 @no_type_check
 def _gemv_kernel(
-    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
@@ -71,8 +73,10 @@ def _gemv_kernel(
             x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
-    store_tile(total[None, :], out_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M, N, stride_om,
-               stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    tile_id = row * tl.num_programs(0) + tl.program_id(0)
+    store_tile(total[None, :], out_ptr, partial_ptr, counter_ptr, tile_id, bias_ptr,
+               row + tl.arange(0, 1), offs_n, M, N, stride_om, stride_split, pid_k, HAS_BIAS,
+               SPLIT_K, SPLIT_SUM, INTERPRET)  # fmt: skip
 
 
 WORD_GEMV_ENV = "QLENS_WORD_GEMV"
@@ -100,6 +104,14 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _block_m(m: int, cap: int) -> int:
     """Rows of ``x`` per program: the next power of two of ``m``, at most ``cap``."""
     return min(1 << max(m - 1, 0).bit_length(), cap)
+
+
+def _packed_block_m(m: int, cfg: LinearConfig, *, experts: bool) -> int:
+    """Rows of ``x`` per program of the packed GEMV: one per expert row, all rows up to
+    ``FMA_MAX_ROWS`` in FMAs, at least 16 on tensor cores."""
+    if experts:
+        return 1  # each row has its own expert
+    return max(16, cfg.block_m) if m > FMA_MAX_ROWS else _block_m(m, FMA_MAX_ROWS)
 
 
 def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m 8 words"]:
@@ -133,7 +145,7 @@ def _packed_gemv(
     words: Tensor,
     bias: Float[Tensor, "..."] | None,
     cfg: LinearConfig,
-    target: Tensor,
+    target: SplitTarget,
     experts: ExpertRows | None = None,
 ) -> None:
     m, k = x.shape
@@ -141,11 +153,8 @@ def _packed_gemv(
     if use_dot:
         require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
     xp = permute_codes(x, for_dot=use_dot)
-    if experts is not None:
-        block_m = 1  # each row has its own expert
-    else:
-        block_m = max(16, cfg.block_m) if use_dot else _block_m(m, FMA_MAX_ROWS)
-    split = cfg.split_k
+    block_m = _packed_block_m(m, cfg, experts=experts is not None)
+    split = target.split
     # Pipelined loads stage whole operands in shared memory: fine for one row, but the
     # several-row product reads x as [M, N, words] and would stage N copies of it.
     loop_stages = cfg.num_stages if block_m == 1 else 1
@@ -153,15 +162,16 @@ def _packed_gemv(
     _, scales, zeros, global_scale = kernel_args(w)
     interpret = interpreting()
     packed_gemv_kernel[grid](
-        xp, words, scales, zeros, global_scale, bias if bias is not None else x, target,
-        words if experts is None else experts.ids,
+        xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,
+        target.partials, target.counters, words if experts is None else experts.ids,
         m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
-        target.stride(0) if split > 1 else 0,
+        target.stride_split,
         *((0, 0, 0) if experts is None else (experts.words, experts.scales, experts.global_scale)),
         FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+        SPLIT_SUM=target.in_kernel,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
         EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -188,7 +198,7 @@ def experts_gemv(
         )
     out = torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
     with on_device(x.device):
-        _packed_gemv(x, w, words, bias, replace(cfg, split_k=1), out, experts)
+        _packed_gemv(x, w, words, bias, cfg, split_target(out, 1, 0), experts)
     return out
 
 
@@ -209,18 +219,16 @@ def gemv_linear(
     if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
     out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    split = cfg.split_k
-    target = (
-        out if split == 1 else torch.empty((split, m, w.n), dtype=torch.float32, device=x.device)
-    )
+    n_tiles = ceil_div(w.n, cfg.block_n)
     with on_device(x.device):
         if words is not None:
+            row_tiles = ceil_div(m, _packed_block_m(m, cfg, experts=False))
+            target = split_target(out, cfg.split_k, n_tiles * row_tiles)
             _packed_gemv(x, w, words, bias, cfg, target)
         else:
+            target = split_target(out, cfg.split_k, n_tiles * m)
             _byte_gemv(x, w, bias, cfg, target)
-    if split > 1:
-        reduce_splits(target, bias, out)
-    return out
+    return target.finish(bias)
 
 
 def _byte_gemv(
@@ -228,16 +236,15 @@ def _byte_gemv(
     w: KernelWeight,
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
-    target: Tensor,
+    target: SplitTarget,
 ) -> None:
     m, k = x.shape
-    split = cfg.split_k
-    _gemv_kernel[(ceil_div(w.n, cfg.block_n), m, split)](
-        x, *kernel_args(w), bias if bias is not None else x, target,
-        m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
-        target.stride(0) if split > 1 else 0,
-        **kernel_constants(w), HAS_BIAS=bias is not None,
+    _gemv_kernel[(ceil_div(w.n, cfg.block_n), m, target.split)](
+        x, *kernel_args(w), bias if bias is not None else x, target.out, target.partials,
+        target.counters, m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
+        target.stride_split, **kernel_constants(w), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
+        SPLIT_K=target.split, SPLIT_SUM=target.in_kernel, LOOP_STAGES=cfg.num_stages,
+        INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -12,8 +12,8 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.splits import split_target, store_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -44,32 +44,15 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 @no_type_check
-def store_tile(total, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
-               HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """Write a float32 ``[rows, cols]`` tile: plus bias, in the output dtype, when K is not split;
-    otherwise as the float32 partial of split ``pid_k`` (``reduce_splits`` finishes it)."""
-    n_ok = offs_n < N
-    mask = (offs_m < M)[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = cast_out(total, out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    else:
-        partial = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(partial, total, mask=mask)
-
-
-@triton.jit
-@no_type_check
 def _weight_only_kernel(
-    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -112,29 +95,9 @@ def _weight_only_kernel(
             )
             acc = _dot_acc(x, w, acc, INTERPRET)
 
-    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split, pid_k,
-               HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
-
-
-@triton.jit
-@no_type_check
-def _reduce_splits_kernel(
-    partial_ptr, bias_ptr, out_ptr, M, N, stride_split, stride_pm, stride_om,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Sum the split-K partials in a fixed order (deterministic), add the bias, cast."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    m = offs // N
-    n = offs % N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(partial_ptr + s * stride_split + m * stride_pm + n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + m * stride_om + n, cast_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask
-    )
+    store_tile(acc, out_ptr, partial_ptr, counter_ptr, tl.program_id(0), bias_ptr, offs_m, offs_n,
+               M, N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, SPLIT_SUM,
+               INTERPRET)  # fmt: skip
 
 
 def weight_only_linear(
@@ -147,37 +110,18 @@ def weight_only_linear(
     m, k = x.shape
     n = w.n
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    interpret = interpreting()
     split = cfg.split_k if cfg.path == "splitk" else 1
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), split)
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    target = split_target(out, split, tiles)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
-        _weight_only_kernel[grid](
-            x, *kernel_args(w), bias_arg, target,
-            m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n,
-            target.stride(0) if split > 1 else 0,
+        _weight_only_kernel[(tiles, split)](
+            x, *kernel_args(w), bias_arg, out, target.partials, target.counters,
+            m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n, target.stride_split,
             **kernel_constants(w), HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-            EVEN_K=k % cfg.block_k == 0,
-            GROUP_M=cfg.group_m, INTERPRET=interpret,
+            SPLIT_SUM=target.in_kernel, EVEN_K=k % cfg.block_k == 0,
+            GROUP_M=cfg.group_m, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if split > 1:
-        reduce_splits(target, bias, out)
-    return out
-
-
-def reduce_splits(
-    partials: Float[Tensor, "split m n"],
-    bias: Float[Tensor, " n"] | None,
-    out: Float[Tensor, "m n"],
-) -> None:
-    """``out = sum(partials) + bias``, summed in split order so results are deterministic."""
-    split, m, n = partials.shape
-    block = 1024
-    with on_device(out.device):
-        _reduce_splits_kernel[(ceil_div(m * n, block),)](
-            partials, bias if bias is not None else out, out, m, n, partials.stride(0), n, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=interpreting(),
-        )  # fmt: skip
+    return target.finish(bias)
