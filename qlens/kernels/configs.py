@@ -83,6 +83,7 @@ _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (GEMV_MAX_M, "gemv", 16, 16, 512, 4, 4),
     (16, "splitk", 16, 64, 128, 4, 4),
     (1 << 62, "cublas", 128, 128, 128, 8, 3),
 )
@@ -93,6 +94,7 @@ _DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _DEFAULT_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
+    (GEMV_MAX_M, "gemv", 16, 64, 128, 4, 1),
     (SPLITK_MAX_M, "splitk", 64, 64, 128, 4, 3),
     (1 << 62, "gemm", 128, 128, 128, 8, 3),
 )
@@ -109,19 +111,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device) -> int:
-    """Split K until the grid has about two programs per SM, keeping >= 4 K-steps per split
-    (>= 1 on the GEMV path, whose K steps are long and whose programs each stream one strip).
+    """Split K until the grid has about two programs per SM (one for a single row), keeping
+    >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps are long and whose programs
+    each stream one strip).
 
     GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
     one program); the byte-wise GEMV launches one per row, so its split errs towards more.
+    A single row's GEMV splits only below one program per SM: on the H200 every split of the
+    8B decode layers was slower for it, e.g. fp8-block on 4096 x 4096 7.1 us unsplit against
+    8.9 us at the two splits the two-per-SM rule gave (``decode_splits_h200.md``).
     """
     sms = _sm_count(device)
     rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
+    wanted = sms if cfg.path == "gemv" and m == 1 else 2 * sms
     split = 1
-    while tiles * split < 2 * sms and k_steps // (split * 2) >= min_steps:
+    while tiles * split < wanted and k_steps // (split * 2) >= min_steps:
         split *= 2
     return split
 
@@ -152,8 +159,7 @@ def choose_config(
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``).
     """
     if interpreting():
-        gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
-        return interpreter_config(m, n, k, "splitk" if gemv_less else None)
+        return interpreter_config(m, n, k)
     h200 = "H200" in gpu_name(device)
     if w8a8:
         table = _H200_W8A8 if h200 else _DEFAULT_W8A8

@@ -252,14 +252,13 @@ def _dot_tile(
 @triton.jit
 @no_type_check
 def packed_gemv_kernel(
-    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
-    counter_ptr, ids_ptr,
+    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, ids_ptr,
     M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
     stride_we, stride_se, stride_ge,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
+    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -324,7 +323,5 @@ def packed_gemv_kernel(
             total = tl.sum(acc, axis=1)[None, :]
         else:
             total = tl.sum(acc, axis=2)
-    tile_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    store_tile(total, out_ptr, partial_ptr, counter_ptr, tile_id, bias_ptr, offs_m, offs_n, M, N,
-               stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, SPLIT_SUM,
-               INTERPRET)  # fmt: skip
+    store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+               stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

@@ -33,12 +33,12 @@ from qlens.quant.codecs.checks import ceil_div
 @triton.jit
 @no_type_check
 def _gemv_kernel(
-    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,10 +73,8 @@ def _gemv_kernel(
             x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
             acc += w * x.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
-    tile_id = row * tl.num_programs(0) + tl.program_id(0)
-    store_tile(total[None, :], out_ptr, partial_ptr, counter_ptr, tile_id, bias_ptr,
-               row + tl.arange(0, 1), offs_n, M, N, stride_om, stride_split, pid_k, HAS_BIAS,
-               SPLIT_K, SPLIT_SUM, INTERPRET)  # fmt: skip
+    store_tile(total[None, :], out_ptr, partial_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M,
+               N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 WORD_GEMV_ENV = "QLENS_WORD_GEMV"
@@ -163,7 +161,7 @@ def _packed_gemv(
     interpret = interpreting()
     packed_gemv_kernel[grid](
         xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,
-        target.partials, target.counters, words if experts is None else experts.ids,
+        target.partials, words if experts is None else experts.ids,
         m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
         target.stride_split,
         *((0, 0, 0) if experts is None else (experts.words, experts.scales, experts.global_scale)),
@@ -171,7 +169,7 @@ def _packed_gemv(
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
-        SPLIT_SUM=target.in_kernel,
+
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
         EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -198,7 +196,7 @@ def experts_gemv(
         )
     out = torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
     with on_device(x.device):
-        _packed_gemv(x, w, words, bias, cfg, split_target(out, 1, 0), experts)
+        _packed_gemv(x, w, words, bias, cfg, split_target(out, 1), experts)
     return out
 
 
@@ -207,8 +205,10 @@ def gemv_linear(
     w: KernelWeight,
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
+    out_dtype: torch.dtype | None = None,
 ) -> Float[Tensor, "m n"]:
-    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel.
+    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel; the
+    result in ``out_dtype`` (default ``x``'s).
 
     Packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
@@ -216,17 +216,15 @@ def gemv_linear(
     """
     m, k = x.shape
     words = word_view(w)
+    dtype = x.dtype if out_dtype is None else out_dtype
     if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
-        return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    n_tiles = ceil_div(w.n, cfg.block_n)
+        return weight_only_linear(x, w, bias, replace(cfg, path="splitk")).to(dtype)
+    out = torch.empty((m, w.n), dtype=dtype, device=x.device)
+    target = split_target(out, cfg.split_k)
     with on_device(x.device):
         if words is not None:
-            row_tiles = ceil_div(m, _packed_block_m(m, cfg, experts=False))
-            target = split_target(out, cfg.split_k, n_tiles * row_tiles)
             _packed_gemv(x, w, words, bias, cfg, target)
         else:
-            target = split_target(out, cfg.split_k, n_tiles * m)
             _byte_gemv(x, w, bias, cfg, target)
     return target.finish(bias)
 
@@ -241,10 +239,10 @@ def _byte_gemv(
     m, k = x.shape
     _gemv_kernel[(ceil_div(w.n, cfg.block_n), m, target.split)](
         x, *kernel_args(w), bias if bias is not None else x, target.out, target.partials,
-        target.counters, m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
+        m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
         target.stride_split, **kernel_constants(w), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=target.split, SPLIT_SUM=target.in_kernel, LOOP_STAGES=cfg.num_stages,
+        SPLIT_K=target.split, LOOP_STAGES=cfg.num_stages,
         INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -45,13 +45,13 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 @no_type_check
 def _weight_only_kernel(
-    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -95,9 +95,8 @@ def _weight_only_kernel(
             )
             acc = _dot_acc(x, w, acc, INTERPRET)
 
-    store_tile(acc, out_ptr, partial_ptr, counter_ptr, tl.program_id(0), bias_ptr, offs_m, offs_n,
-               M, N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, SPLIT_SUM,
-               INTERPRET)  # fmt: skip
+    store_tile(acc, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split,
+               pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
 def weight_only_linear(
@@ -112,15 +111,15 @@ def weight_only_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split = cfg.split_k if cfg.path == "splitk" else 1
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    target = split_target(out, split, tiles)
+    target = split_target(out, split)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
         _weight_only_kernel[(tiles, split)](
-            x, *kernel_args(w), bias_arg, out, target.partials, target.counters,
+            x, *kernel_args(w), bias_arg, out, target.partials,
             m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n, target.stride_split,
             **kernel_constants(w), HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-            SPLIT_SUM=target.in_kernel, EVEN_K=k % cfg.block_k == 0,
+            EVEN_K=k % cfg.block_k == 0,
             GROUP_M=cfg.group_m, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -8,7 +8,11 @@ from kernel_cases import SCHEMES, quantized, rel_err, scheme_id
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
-from qlens.kernels.reference import reference_act_quant, reference_w8a8_linear
+from qlens.kernels.reference import (
+    reference_act_quant,
+    reference_linear,
+    reference_w8a8_linear,
+)
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.dequantize import dequantize
@@ -60,8 +64,47 @@ def test_w8a8_matches_reference_on_gpu(case):
     for m in (1, 40, 600):
         x = torch.randn(m, 520, device="cuda", dtype=torch.bfloat16)
         ref = reference_w8a8_linear(x.double(), p)
-        for cfg in (None, LinearConfig("splitk", 16, 64, 128, split_k=2)):
+        for cfg in (
+            None,
+            LinearConfig("splitk", 16, 64, 128, split_k=2),
+            LinearConfig("gemv", 16, 16, 512, num_stages=4, split_k=2),  # > 4 rows: split-K
+        ):
             assert rel_err(quantized_linear(x, p, w8a8=True, config=cfg), ref) < 8e-3
+
+
+SPLIT_LAUNCHES = (
+    (("int4", {"group_size": 128}), False, 1, LinearConfig("gemv", 16, 4, 1024, 1, num_warps=1)),
+    (("int4", {"group_size": 128}), False, 3, LinearConfig("gemv", 16, 32, 1024, 1)),
+    (("nvfp4", {}), False, 16, LinearConfig("gemv", 16, 64, 256)),
+    (("fp8-block", {}), False, 1, LinearConfig("gemv", 16, 16, 512, num_stages=4)),
+    (("fp8-block", {}), True, 1, LinearConfig("gemv", 16, 16, 512, num_stages=4)),
+    (("fp8-block", {}), True, 8, LinearConfig("splitk", 16, 64, 128)),
+    (("mxfp4", {}), False, 20, LinearConfig("splitk", 16, 128, 128)),
+)
+
+
+@pytest.mark.parametrize("case, w8a8, m, base", SPLIT_LAUNCHES, ids=lambda v: str(v)[:40])
+def test_split_launches_on_gpu(case, w8a8, m, base):
+    """Every decode launch at several K splits: the reference's result, the same on every
+    repeat (the partials are summed in split order)."""
+    from dataclasses import replace
+
+    p = quantized_weight_on_gpu(case, 2304, 4096)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2304, device="cuda", dtype=torch.bfloat16)
+    reference = reference_w8a8_linear if w8a8 else reference_linear
+    ref = reference(x.double(), p, bias.double())
+    for split in (1, 2, 4, 8):
+        cfg = replace(base, split_k=split)
+        runs = [quantized_linear(x, p, bias, w8a8=w8a8, config=cfg) for _ in range(5)]
+        assert all(torch.equal(r, runs[0]) for r in runs)
+        assert rel_err(runs[0], ref) < 8e-3, split
+
+
+def quantized_weight_on_gpu(case, n, k):
+    scheme, kwargs = case
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    return quantize_weight(w, scheme, **kwargs)
 
 
 def test_activation_quant_matches_reference_on_gpu():
