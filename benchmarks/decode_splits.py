@@ -24,7 +24,6 @@ CASES = (
     ("nvfp4 word", "nvfp4", {}, False, 1, LinearConfig("gemv", 16, 4, 1024, num_warps=1, num_stages=1)),
     ("fp8 W8A16 byte", "fp8-block", {}, False, 1, LinearConfig("gemv", 16, 16, 512, num_warps=4, num_stages=4)),
     ("fp8 W8A8 split-K", "fp8-block", {}, True, 1, LinearConfig("splitk", 16, 64, 128, num_warps=4, num_stages=4)),
-    ("fp8 W8A8 byte", "fp8-block", {}, True, 1, LinearConfig("gemv", 16, 16, 512, num_warps=4, num_stages=4)),
     ("int4 word", "int4", {"group_size": 128}, False, 16, LinearConfig("gemv", 16, 64, 256, num_warps=4, num_stages=3)),
     ("mxfp4 word", "mxfp4", {}, False, 16, LinearConfig("gemv", 16, 64, 256, num_warps=4, num_stages=3)),
     ("nvfp4 word", "nvfp4", {}, False, 16, LinearConfig("gemv", 16, 64, 256, num_warps=4, num_stages=3)),

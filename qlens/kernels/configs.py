@@ -83,7 +83,6 @@ _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 16, 512, 4, 4),
     (16, "splitk", 16, 64, 128, 4, 4),
     (1 << 62, "cublas", 128, 128, 128, 8, 3),
 )
@@ -94,7 +93,6 @@ _DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _DEFAULT_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 64, 128, 4, 1),
     (SPLITK_MAX_M, "splitk", 64, 64, 128, 4, 3),
     (1 << 62, "gemm", 128, 128, 128, 8, 3),
 )
@@ -159,7 +157,8 @@ def choose_config(
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``).
     """
     if interpreting():
-        return interpreter_config(m, n, k)
+        gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
+        return interpreter_config(m, n, k, "splitk" if gemv_less else None)
     h200 = "H200" in gpu_name(device)
     if w8a8:
         table = _H200_W8A8 if h200 else _DEFAULT_W8A8

@@ -1,7 +1,5 @@
 """W8A8 block FP8: per-token 1 x group activation quantization, then an FP8 tensor-core GEMM
-with the activation and weight block scales applied once per K block; or, for a few rows, the
-quantized activations decoded back to float32 (``code * scale``, exactly as
-``reference_w8a8_linear`` does) and the byte-wise weight-only GEMV."""
+with the activation and weight block scales applied once per K block."""
 
 from typing import no_type_check
 
@@ -11,7 +9,7 @@ import triton.language as tl
 from jaxtyping import Float, Float8e4m3fn
 from torch import Tensor
 
-from qlens.kernels.configs import GEMV_MAX_M, LinearConfig
+from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.launch import on_device
 from qlens.kernels.linear import grouped_tile
@@ -29,10 +27,8 @@ E4M3_MAX = 448.0
 @no_type_check
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, DECODED: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Codes and scales of one group of ``BLOCK_M`` rows; ``DECODED``: float32 ``code * scale``
-    instead (no scales stored)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     offs_k = g * GROUP + tl.arange(0, GROUP)
@@ -47,13 +43,8 @@ def _act_quant_kernel(
         codes = f32_to_e4m3_bits(v)
     else:
         codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    q_ptrs = q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :]
-    if DECODED:
-        tl.store(q_ptrs, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None],
-                 mask=mask)  # fmt: skip
-    else:
-        tl.store(q_ptrs, codes, mask=mask)
-        tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
 
 
 # Rows per activation-quantization program on a GPU (one program: BLOCK_M rows x one group).
@@ -78,24 +69,9 @@ def quantize_activations(
     with on_device(x.device):
         _act_quant_kernel[(ceil_div(m, block_m), groups)](
             x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
-            scales.stride(1), GROUP=group, BLOCK_M=block_m, DECODED=False,
-            INTERPRET=interpreting(),
+            scales.stride(1), GROUP=group, BLOCK_M=block_m, INTERPRET=interpreting(),
         )  # fmt: skip
     return codes.view(torch.float8_e4m3fn), scales
-
-
-def decoded_activations(x: Float[Tensor, "m k"], group: int = 128) -> Float[Tensor, "m k"]:
-    """``quantize_activations(x, group)`` decoded back: float32 ``code * scale`` (the activations
-    ``reference_w8a8_linear`` multiplies), in one launch."""
-    m, k = x.shape
-    out = torch.empty((m, k), dtype=torch.float32, device=x.device)
-    block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
-    with on_device(x.device):
-        _act_quant_kernel[(ceil_div(m, block_m), ceil_div(k, group))](
-            x, out, out, m, k, x.stride(0), out.stride(0), 0, 0, GROUP=group, BLOCK_M=block_m,
-            DECODED=True, INTERPRET=interpreting(),
-        )  # fmt: skip
-    return out
 
 
 @triton.jit
@@ -160,10 +136,6 @@ def fp8_block_w8a8_linear(
         raise ValueError(f"W8A8 needs a weight block of at most 256 along K, got {w.group_k}")
     m, k = x.shape
     n = w.n
-    if cfg.path == "gemv" and m <= GEMV_MAX_M:
-        from qlens.kernels.gemv import gemv_linear
-
-        return gemv_linear(decoded_activations(x, w.group_k), w, bias, cfg, out_dtype=x.dtype)
     a, a_scales = quantize_activations(x, w.group_k)
     if cfg.path == "cublas" and cublas_blockwise_fits(m, w, x.device, x.dtype):
         return _cublas_blockwise(a, a_scales, w, bias, x.dtype)

@@ -205,10 +205,8 @@ def gemv_linear(
     w: KernelWeight,
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
-    out_dtype: torch.dtype | None = None,
 ) -> Float[Tensor, "m n"]:
-    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel; the
-    result in ``out_dtype`` (default ``x``'s).
+    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel.
 
     Packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
@@ -216,10 +214,9 @@ def gemv_linear(
     """
     m, k = x.shape
     words = word_view(w)
-    dtype = x.dtype if out_dtype is None else out_dtype
     if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
-        return weight_only_linear(x, w, bias, replace(cfg, path="splitk")).to(dtype)
-    out = torch.empty((m, w.n), dtype=dtype, device=x.device)
+        return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
+    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     target = split_target(out, cfg.split_k)
     with on_device(x.device):
         if words is not None:

@@ -1,0 +1,81 @@
+"""One-row word-wise GEMV tiles on the 8B decode layers and the largest benchmark layer: rows per
+program, K per loop step (one warp, so ``x`` keeps the words' layout) and pipelining depth.
+
+Run on a CUDA GPU: ``python benchmarks/gemv_tiles.py``; prints markdown and, when ``$OUT`` is
+set, writes it to ``$OUT/gemv_tiles_h200.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.quant.quantize import quantize_weight
+
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
+SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
+# (BLOCK_N, BLOCK_K, warps, stages); the first is the current default.
+LAUNCHES = (
+    (4, 1024, 1, 1),
+    (8, 1024, 1, 3),
+    (2, 2048, 1, 1),
+    (4, 2048, 1, 1),
+    (8, 2048, 1, 1),
+    (4, 4096, 1, 1),
+    (4, 2048, 1, 3),
+)
+
+
+def _label(launch: tuple[int, int, int, int]) -> str:
+    bn, bk, warps, stages = launch
+    return f"{bn}x{bk} w{warps} st{stages}"
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    rows = [
+        "| N x K | scheme | bf16 us | " + " | ".join(_label(la) for la in LAUNCHES)
+        + " | best vs bf16 | best vs default | worst rel. err |",
+        "|---|---|---|" + "---|" * len(LAUNCHES) + "---|---|---|",
+    ]  # fmt: skip
+    for n, k in SHAPES:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+        for scheme, kw in SCHEMES:
+            p0 = quantize_weight(w, scheme, **kw)
+            ps = [p0] + [clone_payload(p0) for _ in range(copies_for(n * k // 2) - 1)]
+            exact = F.linear(x.float(), dequantize_triton(p0, torch.float32)).double()
+            times, worst = [], 0.0
+            for bn, bk, warps, stages in LAUNCHES:
+                cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
+                try:
+                    times.append(
+                        time_graph(
+                            [lambda p=p, x=x, c=cfg: quantized_linear(x, p, config=c) for p in ps]
+                        )
+                    )
+                    out = quantized_linear(x, p0, config=cfg).double()
+                    worst = max(worst, ((out - exact).norm() / exact.norm()).item())
+                except (RuntimeError, ValueError) as err:
+                    print(f"<!-- {scheme} {cfg} failed: {str(err)[:200]} -->", flush=True)
+                    times.append(float("nan"))
+            best = min(t for t in times if t == t)
+            rows.append(
+                f"| {n} x {k} | {scheme} | {t_bf16:.1f} | "
+                + " | ".join(f"{t:.1f}" for t in times)
+                + f" | {t_bf16 / best:.2f}x | {times[0] / best:.2f}x | {worst:.1e} |"
+            )
+            print(rows[-1], flush=True)
+            del ps
+        del bf16
+        torch.cuda.empty_cache()
+    publish(header("One-row word-wise GEMV tiles") + "\n".join(rows), "gemv_tiles_h200.md")
+
+
+if __name__ == "__main__":
+    main()
