@@ -57,6 +57,7 @@ class LinearConfig:
 # the tensor-core decode path, more rows the GEMM.
 GEMV_MAX_M = 4
 SPLITK_MAX_M = 64
+GEMV_MAX_SPLIT = 4
 
 # H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
@@ -115,9 +116,11 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
 
     GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
     one program); the byte-wise GEMV launches one per row, so its split errs towards more.
-    A single row's GEMV splits only below one program per SM: on the H200 every split of the
-    8B decode layers was slower for it, e.g. fp8-block on 4096 x 4096 7.1 us unsplit against
-    8.9 us at the two splits the two-per-SM rule gave (``decode_splits_h200.md``).
+    A single row's GEMV splits only below one program per SM, and no GEMV splits more than
+    4 ways: on the H200 every split of the 8B decode layers was slower for one row (fp8-block
+    on 4096 x 4096: 7.1 us unsplit, 8.9 us at the two splits the two-per-SM rule gave), and at
+    16 rows 4 splits beat the rule's 8 by 4-17% on the 4096-wide layers
+    (``decode_splits_h200.md``).
     """
     sms = _sm_count(device)
     rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
@@ -125,8 +128,9 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
     wanted = sms if cfg.path == "gemv" and m == 1 else 2 * sms
+    most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
     split = 1
-    while tiles * split < wanted and k_steps // (split * 2) >= min_steps:
+    while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:
         split *= 2
     return split
 
