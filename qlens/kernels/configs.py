@@ -63,7 +63,8 @@ GEMV_MAX_SPLIT = 4
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
-# kernel); FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
+# kernel; 4 x 2048 when there are at most 8 such programs per SM, gemv_tiles_h200.md);
+# FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
 # rows, over 64 x 256 tiles (the fastest of four tiles for every scheme and benchmark layer,
 # benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV up to
 # 4 rows (16 x 512 tiles, loads pipelined 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at
@@ -174,6 +175,10 @@ def choose_config(
         if m <= max_m:
             cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
             break
+    if packed_words and h200 and m == 1 and ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
+        # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
+        # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
+        cfg = replace(cfg, block_k=2048)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg
