@@ -33,6 +33,19 @@ def e8m0_to_f32(b):
 
 @triton.jit
 @no_type_check
+def e4m3_to_f32(b):
+    """float32 value of E4M3 bytes by bit placement: the seven magnitude bits at fp16 bits 13..7
+    and the sign at bit 15 make the fp16 ``value * 2**-8`` (subnormals included), and both
+    conversions back are exact; 0x7F and 0xFF are NaN. Elementwise on any layout, unlike the
+    hardware's paired fp8 conversion."""
+    b = b.to(tl.int32)
+    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    value = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+@no_type_check
 def e2m1_to_f32(code):
     """float32 value of 4-bit E2M1 codes (bit 3 is the sign): the magnitude bits placed at fp16
     bits 11..9 and the sign at bit 15 make the fp16 ``value * 2**-14`` (subnormal 0.5 included),
@@ -58,9 +71,17 @@ def _group_values(ptr, offs_n, groups, N, n_groups, stride, GROUP_N: tl.constexp
 @no_type_check
 def _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride, FAMILY: tl.constexpr,
             GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
-    """float32 multipliers of the groups, the NVFP4 global folded in as the codec does."""
+    """float32 multipliers of the groups, the NVFP4 global folded in as the codec does.
+
+    Byte scales are E8M0 (``SCALE_E8M0``) or E4M3 bit patterns (NVFP4, passed as uint8 by
+    ``kernel_args``); wider ones are floats."""
     if SCALE_E8M0:
         s = e8m0_to_f32(_group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 127))
+    elif scale_ptr.dtype.element_ty == tl.uint8:
+        # 0x38 is E4M3 1.0: masked groups stay finite.
+        s = e4m3_to_f32(
+            _group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 0x38)
+        )
     else:
         s = _group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 1.0)
         s = s.to(tl.float32)
