@@ -73,8 +73,8 @@ def _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride, FAMILY: 
             GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
     """float32 multipliers of the groups, the NVFP4 global folded in as the codec does.
 
-    Byte scales are E8M0 (``SCALE_E8M0``) or E4M3 bit patterns (NVFP4, passed as uint8 by
-    ``kernel_args``); wider ones are floats."""
+    uint8 scales are E8M0 (``SCALE_E8M0``) or E4M3 bit patterns (NVFP4 in the tensor-core
+    GEMV, decoded by bit operations); float8 and wider ones convert directly."""
     if SCALE_E8M0:
         s = e8m0_to_f32(_group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 127))
     elif scale_ptr.dtype.element_ty == tl.uint8:

@@ -158,6 +158,12 @@ def _packed_gemv(
     loop_stages = cfg.num_stages if block_m == 1 else 1
     grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
+    if use_dot and scales.dtype == torch.float8_e4m3fn:
+        # E4M3 scales (NVFP4) as bytes, decoded by bit operations in the tensor-core path's own
+        # layout (16 rows: 8-12% faster on the H200); the FMA path keeps the hardware conversion
+        # (one row, 28672 x 8192: 73.3 us with the bit decode, 64.2 us without).
+        scales = scales.view(torch.uint8)
+        zeros = zeros if w.zeros is not None else scales
     interpret = interpreting()
     packed_gemv_kernel[grid](
         xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,

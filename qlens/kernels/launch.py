@@ -14,11 +14,10 @@ from qlens.kernels.weights import KernelWeight
 def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, scales, zeros, global_scale) pointers; absent tensors are replaced by the scales.
 
-    FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0; E4M3 scales
-    (NVFP4) too, decoded by bit operations in any register layout.
+    FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0.
     """
     data = w.data.view(torch.uint8) if w.data.dtype == torch.float8_e4m3fn else w.data
-    scales = w.scales.view(torch.uint8) if w.scales.dtype == torch.float8_e4m3fn else w.scales
+    scales = w.scales
     zeros = w.zeros if w.zeros is not None else scales
     global_scale = w.global_scale if w.global_scale is not None else scales
     return data, scales, zeros, global_scale
