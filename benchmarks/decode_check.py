@@ -1,0 +1,42 @@
+"""Default-dispatch times of a few 4-bit (M, N, K) products against bf16 ``F.linear``: a quick
+check after a kernel change.
+
+Run on a CUDA GPU: ``python benchmarks/decode_check.py``; prints markdown and, when ``$OUT`` is
+set, writes it to ``$OUT/decode_check_h200.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qlens.kernels import quantized_linear
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.quant.quantize import quantize_weight
+
+CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))
+SCHEMES = ("mxfp4", "nvfp4")
+
+
+def main() -> None:
+    rows = ["| M | N x K | bf16 us | " + " | ".join(f"{s} us (vs bf16)" for s in SCHEMES) + " |",
+            "|---|---|---|" + "---|" * len(SCHEMES)]  # fmt: skip
+    for m, n, k in CASES:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        base = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+        cells = []
+        for scheme in SCHEMES:
+            p0 = quantize_weight(w, scheme)
+            ps = [p0] + [clone_payload(p0) for _ in range(copies_for(n * k // 2) - 1)]
+            t = time_graph([lambda p=p, x=x: quantized_linear(x, p) for p in ps])
+            cells.append(f"{t:.1f} ({base / t:.2f}x)")
+        rows.append(f"| {m} | {n} x {k} | {base:.1f} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+    publish(header("Default-dispatch 4-bit products") + "\n".join(rows), "decode_check_h200.md")
+
+
+if __name__ == "__main__":
+    main()
