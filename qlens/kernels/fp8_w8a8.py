@@ -81,8 +81,7 @@ def _fp8_block_gemm_kernel(
     M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_om, stride_split,
     GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)

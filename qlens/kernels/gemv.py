@@ -38,8 +38,7 @@ def _gemv_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
@@ -175,7 +174,6 @@ def _packed_gemv(
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
-
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
         EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -245,7 +243,6 @@ def _byte_gemv(
         m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
         target.stride_split, **kernel_constants(w), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=target.split, LOOP_STAGES=cfg.num_stages,
-        INTERPRET=interpreting(),
+        SPLIT_K=target.split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

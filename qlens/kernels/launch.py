@@ -17,10 +17,9 @@ def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0.
     """
     data = w.data.view(torch.uint8) if w.data.dtype == torch.float8_e4m3fn else w.data
-    scales = w.scales
-    zeros = w.zeros if w.zeros is not None else scales
-    global_scale = w.global_scale if w.global_scale is not None else scales
-    return data, scales, zeros, global_scale
+    zeros = w.zeros if w.zeros is not None else w.scales
+    global_scale = w.global_scale if w.global_scale is not None else w.scales
+    return data, w.scales, zeros, global_scale
 
 
 def kernel_constants(w: KernelWeight) -> dict[str, Any]:
