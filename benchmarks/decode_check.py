@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.kernels.timing import header, publish, rotation, time_graph
 from qlens.quant.quantize import quantize_weight
 
 CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))
@@ -25,12 +25,12 @@ def main() -> None:
         torch.manual_seed(0)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        bf16 = rotation(w)
         base = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
         cells = []
         for scheme in SCHEMES:
             p0 = quantize_weight(w, scheme)
-            ps = [p0] + [clone_payload(p0) for _ in range(copies_for(n * k // 2) - 1)]
+            ps = rotation(p0)
             t = time_graph([lambda p=p, x=x: quantized_linear(x, p) for p in ps])
             cells.append(f"{t:.1f} ({base / t:.2f}x)")
         rows.append(f"| {m} | {n} x {k} | {base:.1f} | " + " | ".join(cells) + " |")

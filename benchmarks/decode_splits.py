@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.kernels.timing import header, publish, rotation, time_graph
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -50,15 +50,13 @@ def main() -> None:
     for n, k in SHAPES:
         torch.manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        bf16 = rotation(w)
         payloads = {}
         for label, scheme, kw, w8a8, m, base_cfg in CASES:
             key = (scheme, tuple(kw.items()))
             if key not in payloads:
                 p0 = quantize_weight(w, scheme, **kw)
-                payloads[key] = [p0] + [
-                    clone_payload(p0) for _ in range(copies_for(n * k // 2) - 1)
-                ]
+                payloads[key] = rotation(p0)
             ps = payloads[key]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])

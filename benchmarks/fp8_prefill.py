@@ -25,6 +25,7 @@ from qlens.kernels.timing import (
     copy_bandwidths,
     header,
     publish,
+    rotation,
     time_graph,
 )
 from qlens.quant.quantize import quantize_weight
@@ -80,7 +81,7 @@ def _linear_rows() -> list[str]:
         count = copies_for(n * k)
         fp8 = [quantize_weight(w, "fp8-block")]
         fp8 += [clone_payload(fp8[0]) for _ in range(count - 1)]
-        ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k) - 1)]
+        ws = rotation(w)
         for m in M_VALUES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a, a_s = quantize_activations(x)

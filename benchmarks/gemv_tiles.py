@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.kernels.timing import header, publish, rotation, time_graph
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
@@ -43,12 +43,12 @@ def main() -> None:
     for n, k in SHAPES:
         torch.manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        bf16 = rotation(w)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
         for scheme, kw in SCHEMES:
             p0 = quantize_weight(w, scheme, **kw)
-            ps = [p0] + [clone_payload(p0) for _ in range(copies_for(n * k // 2) - 1)]
+            ps = rotation(p0)
             exact = F.linear(x.float(), dequantize_triton(p0, torch.float32)).double()
             times, worst = [], 0.0
             for bn, bk, warps, stages in LAUNCHES:

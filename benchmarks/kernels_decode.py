@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, rotation, time_graph
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
@@ -108,7 +108,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
     for n, k in SHAPES:
         torch.manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        bf16 = rotation(w)
         payloads = {
             s: _copies(quantize_weight(w, s, **kw), copies_for(n * k // 2)) for s, kw in SCHEMES
         }

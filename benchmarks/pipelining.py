@@ -21,10 +21,9 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.timing import (
-    clone_payload,
-    copies_for,
     header,
     publish,
+    rotation,
     time_graph,
 )
 from qlens.quant.quantize import quantize_weight
@@ -51,14 +50,14 @@ def gemv_rows() -> list[str]:
         torch.manual_seed(0)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        bf16 = [w] + [w.clone() for _ in range(copies_for(n * k * 2) - 1)]
+        bf16 = rotation(w)
         base = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
         del bf16
         schemes = [(s, kw, WORD_LAUNCHES) for s, kw in WORD_SCHEMES]
         schemes.append(("fp8-block", {}, BYTE_LAUNCHES))
         for scheme, kw, launches in schemes:
             p = quantize_weight(w, scheme, **kw)
-            ps = [p] + [clone_payload(p) for _ in range(copies_for(p.nbytes) - 1)]
+            ps = rotation(p)
             ref = F.linear(x.double(), dequantize_triton(p, torch.float32).double())
             for bn, bk, warps in launches:
                 times, errs = [], []

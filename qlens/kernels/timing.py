@@ -135,6 +135,14 @@ def clone_payload(payload: QuantPayload) -> QuantPayload:
     return out
 
 
+def rotation(first: torch.Tensor | QuantPayload) -> list:
+    """``first`` and enough copies of it that together they exceed three times the L2 cache
+    (``copies_for``), to time each call on weights streamed from memory."""
+    if isinstance(first, torch.Tensor):
+        return [first] + [first.clone() for _ in range(copies_for(first.nbytes) - 1)]
+    return [first] + [clone_payload(first) for _ in range(copies_for(first.nbytes) - 1)]
+
+
 def publish(text: str, filename: str) -> None:
     """Print a benchmark's markdown and, when ``$OUT`` is set, also write it to ``$OUT/filename``."""
     print(text)
