@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rotation, time_graph
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
@@ -46,10 +46,6 @@ def _safe(what: str, fn: Callable[[], float]) -> float:
     except (RuntimeError, ValueError, TypeError, AssertionError, ImportError) as err:
         print(f"<!-- {what} failed: {str(err)[:300]} -->", flush=True)
         return float("nan")
-
-
-def _copies(p, count):
-    return [p] + [clone_payload(p) for _ in range(count - 1)]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -109,9 +105,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
         torch.manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         bf16 = rotation(w)
-        payloads = {
-            s: _copies(quantize_weight(w, s, **kw), copies_for(n * k // 2)) for s, kw in SCHEMES
-        }
+        payloads = {s: rotation(quantize_weight(w, s, **kw)) for s, kw in SCHEMES}
         layers = gemlite_layers(payloads["int4"], n, k)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

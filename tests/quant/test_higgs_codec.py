@@ -12,6 +12,7 @@ from transformers.integrations.higgs import get_higgs_grid
 
 from qlens.quant.codecs.higgs import (
     dequantize_higgs,
+    flute_permutation,
     flute_tile_p,
     hadamard_blocks,
     higgs_format,
@@ -122,6 +123,8 @@ def test_tile_p_table_and_errors():
         pack_flute(torch.zeros(2, 256, dtype=torch.int64), 3, 32)
     with pytest.raises(ValueError, match="N a multiple of 128"):
         pack_flute(torch.zeros(2, 64, dtype=torch.int64), 4, 32)
+    with pytest.raises(ValueError, match="no permutation of whole codes"):
+        flute_permutation(2, 512, 3, 32)
     codes = torch.zeros(2, 128, dtype=torch.int64)
     payload = QuantPayload(
         higgs_format(4, 32, torch.bfloat16),

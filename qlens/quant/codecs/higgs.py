@@ -122,6 +122,11 @@ def _check_geometry(k: int, n: int, num_bits: int, tile_p: int) -> None:
 def flute_permutation(k: int, n: int, num_bits: int, tile_p: int) -> Integer[Tensor, " kn"]:
     """``perm`` with ``shuffled.flatten() == codes.flatten()[perm]`` for ``[K, N]`` codes (2 and
     4 bits, whose codes stay whole within a word)."""
+    if num_bits == 3:
+        raise ValueError(
+            "3-bit FLUTE codes are split across 16-bit words, so no permutation of whole codes "
+            "describes their packing; use pack_flute / unpack_flute"
+        )
     _check_geometry(k, n, num_bits, tile_p)
     return _shuffle(torch.arange(k * n).reshape(k, n), num_bits, tile_p).reshape(-1)
 
