@@ -18,7 +18,7 @@ import torch
 from qlens.kernels.runtime import gpu_name, interpreting
 from qlens.quant.codecs.checks import ceil_div
 
-Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
+Path = Literal["gemv", "pairs", "splitk", "gemm", "dequant", "cublas"]
 
 
 def require_tile_sizes(minimum: int = 16, **sizes: int) -> None:
@@ -34,7 +34,9 @@ class LinearConfig:
     """Tile sizes and launch parameters of one quantized linear launch.
 
     ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
-    GEMVs honour it too, the word-wise one for a single row only."""
+    GEMVs honour it too, the word-wise one for a single row only. ``max_registers`` caps the
+    registers per thread of the packed 4-bit GEMVs (``maxnreg``; ``None``: the compiler's
+    choice), trading spills for more resident warps."""
 
     path: Path
     block_m: int
@@ -44,6 +46,7 @@ class LinearConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)
@@ -51,6 +54,8 @@ class LinearConfig:
         require_tile_sizes(4 if self.path == "gemv" else 16, block_n=self.block_n)
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [24, 255], got {self.max_registers}")
 
 
 # Interpreter and fallback thresholds: up to GEMV_MAX_M rows take the GEMV, up to SPLITK_MAX_M
@@ -124,12 +129,13 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     (``decode_splits_h200.md``).
     """
     sms = _sm_count(device)
-    rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
+    gemv = cfg.path in ("gemv", "pairs")
+    rows = ceil_div(m, 16) if gemv else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
-    min_steps = 1 if cfg.path == "gemv" else 4
-    wanted = sms if cfg.path == "gemv" and m == 1 else 2 * sms
-    most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
+    min_steps = 1 if gemv else 4
+    wanted = sms if gemv and m == 1 else 2 * sms
+    most = GEMV_MAX_SPLIT if gemv else k_steps
     split = 1
     while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:
         split *= 2
@@ -179,6 +185,6 @@ def choose_config(
         # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
         # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
         cfg = replace(cfg, block_k=2048)
-    if cfg.path in ("splitk", "gemv"):
+    if cfg.path in ("splitk", "gemv", "pairs"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg
