@@ -1,12 +1,10 @@
-"""One launch each of the int4 decode kernels on 28672 x 8192 (one row and 16 rows), for a
+"""One launch each of the int4 decode kernels on 28672 x 8192 (1, 4 and 16 rows), for a
 hardware-counter profile:
 
-    ncu --clock-control none -k regex:"gemv|pairs" --section SpeedOfLight --section Occupancy \
+    ncu --clock-control none -k regex:packed_gemv --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section SchedulerStats python benchmarks/profile_gemv.py
 
-Each kernel runs once after a warm-up call outside the profiled range is not possible with
-Triton's first-call compile, so every launch is counted; pass ``--launch-skip`` to ncu to
-drop the compile-time ones if needed.
+Each launch runs once, on its first call (compile included on the host, not in the profile).
 """
 
 from __future__ import annotations
@@ -18,9 +16,12 @@ from qlens.quant.quantize import quantize_weight
 
 LAUNCHES = {
     "word GEMV (default, 1 row)": (1, None),
-    "pairs 32x256 w1 st3 (1 row)": (1, LinearConfig("pairs", 16, 32, 256, num_warps=1)),
+    "word GEMV (default, 4 rows)": (4, None),
     "word GEMV (default, 16 rows)": (16, None),
-    "pairs 128x128 w4 st3 (16 rows)": (16, LinearConfig("pairs", 16, 128, 128)),
+    "word GEMV, 8 x 1024, 3 stages (1 row)": (
+        1,
+        LinearConfig("gemv", 16, 8, 1024, num_warps=1, num_stages=3),
+    ),
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from qlens.kernels.runtime import gpu_name, interpreting
 from qlens.quant.codecs.checks import ceil_div
 
-Path = Literal["gemv", "pairs", "splitk", "gemm", "dequant", "cublas"]
+Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
 
 
 def require_tile_sizes(minimum: int = 16, **sizes: int) -> None:
@@ -34,9 +34,7 @@ class LinearConfig:
     """Tile sizes and launch parameters of one quantized linear launch.
 
     ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
-    GEMVs honour it too, the word-wise one for a single row only. ``max_registers`` caps the
-    registers per thread of the packed 4-bit GEMVs (``maxnreg``; ``None``: the compiler's
-    choice), trading spills for more resident warps."""
+    GEMVs honour it too, the word-wise one for a single row only."""
 
     path: Path
     block_m: int
@@ -46,7 +44,6 @@ class LinearConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)
@@ -54,8 +51,6 @@ class LinearConfig:
         require_tile_sizes(4 if self.path == "gemv" else 16, block_n=self.block_n)
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
-            raise ValueError(f"max_registers must be in [24, 255], got {self.max_registers}")
 
 
 # Interpreter and fallback thresholds: up to GEMV_MAX_M rows take the GEMV, up to SPLITK_MAX_M
@@ -69,23 +64,24 @@ GEMV_MAX_SPLIT = 4
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
 # kernel; 4 x 2048 when there are at most 8 such programs per SM, gemv_tiles_h200.md);
-# FMAs over 32 x 1024 tiles up to 4 rows; tensor-core dots per code position up to 16
+# tensor-core dots per code position from 2 up to 16
 # rows, over 64 x 256 tiles (the fastest of four tiles for every scheme and benchmark layer,
-# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV up to
-# 4 rows (16 x 512 tiles, loads pipelined 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at
+# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV for one
+# row (16 x 512 tiles, loads pipelined 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at
 # 32 x 256, benchmarks/results/pipelining_h200.md; pipelining the word-wise one-row loop was
-# slower) and the tensor-core split-K up to 32. Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
+# slower) and the tensor-core split-K from 2 up to 32 rows (the byte-wise GEMV runs one program
+# per row: 0.45-0.64x bf16 at 4 rows, against 1.13-1.41x for fp8-block on split-K at 8,
+# benchmarks/results/few_rows_h200.md). Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
 # above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
 # three of the four benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
-    (GEMV_MAX_M, "gemv", 16, 32, 1024, 4, 1),
     (16, "gemv", 16, 64, 256, 4, 3),
     (32, "splitk", 16, 128, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 16, 512, 4, 4),
+    (1, "gemv", 16, 16, 512, 4, 4),
     (32, "splitk", 16, 128, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
@@ -95,7 +91,7 @@ _H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
 )
 # Elsewhere the GEMVs' K loops stay unpipelined (measured on the H200 only).
 _DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (GEMV_MAX_M, "gemv", 16, 64, 128, 4, 1),
+    (1, "gemv", 16, 64, 128, 4, 1),
     (32, "splitk", 16, 64, 64, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
@@ -129,13 +125,12 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     (``decode_splits_h200.md``).
     """
     sms = _sm_count(device)
-    gemv = cfg.path in ("gemv", "pairs")
-    rows = ceil_div(m, 16) if gemv else ceil_div(m, cfg.block_m)
+    rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
-    min_steps = 1 if gemv else 4
-    wanted = sms if gemv and m == 1 else 2 * sms
-    most = GEMV_MAX_SPLIT if gemv else k_steps
+    min_steps = 1 if cfg.path == "gemv" else 4
+    wanted = sms if cfg.path == "gemv" and m == 1 else 2 * sms
+    most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
     split = 1
     while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:
         split *= 2
@@ -185,6 +180,6 @@ def choose_config(
         # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
         # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
         cfg = replace(cfg, block_k=2048)
-    if cfg.path in ("splitk", "gemv", "pairs"):
+    if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

@@ -1,4 +1,4 @@
-"""Few-row weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4).
+"""Weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4) and a few rows of ``x``.
 
 The packed weight is read as int32 words of eight codes (16-byte vector loads, no K mask on the
 hot loop) and every code is decoded exactly in a few integer operations:
@@ -11,13 +11,14 @@ hot loop) and every code is decoded exactly in a few integer operations:
   such values, two per 32-bit register; the interpreter runs the same bit operations one code
   at a time. The factor ``2**14`` is applied with the group scale.
 
-Up to a few rows, each code meets all rows of ``x`` in float32 FMAs; the products of one tile
-are summed per word and multiplied by the group scale once per word instead of once per code.
-For one row the product is ``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps
-side by side along K (``BLOCK_K = 1024 * num_warps``) both take the same register layout, so
-each thread reuses its activations for all its rows (other tiles stay correct but pay a
-shared-memory exchange per code position). For more rows the decoded, scaled codes feed
-tensor-core dots, one per code position. ``x`` arrives regrouped by code position
+For one row each code meets ``x`` in float32 FMAs; the products of one tile are summed per word
+and multiplied by the group scale once per word instead of once per code. The product is
+``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
+(``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
+activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
+code position). For two rows or more the decoded, scaled codes feed tensor-core dots, one per
+code position (an ``[M, N, words]`` FMA product for 2-4 rows ran at 0.06-0.07x bf16 on the
+H200, ``benchmarks/results/gemv_registers_h200.md``). ``x`` arrives regrouped by code position
 (``qlens.kernels.gemv.permute_codes``).
 """
 
@@ -164,46 +165,30 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 @triton.jit
 @no_type_check
 def _fma_tile(
-    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-    USE_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc[m, n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile, in FMAs
-    (``acc[n, i]`` for one row of ``x``, ``ONE_ROW``).
+    """``acc[n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile and the one
+    row ``offs_m`` (``[1]``) of ``x``, in FMAs.
 
-    One row: ``x`` is read as ``[1, words]``; with the warps side by side along K it takes the
-    words' own layout, so each thread reuses its ``x`` registers for all its rows. Several rows:
-    every operand is read in the product's ``[M, N, words]`` shape (``x`` repeated along N,
-    served by L1), so no layout exchange through shared memory is needed inside the code loop.
-    ``x`` comes regrouped as float32 (``permute_codes``).
+    ``x`` is read as ``[1, words]``; with the warps side by side along K it takes the words' own
+    layout, so each thread reuses its ``x`` registers for all its rows. ``x`` comes regrouped as
+    float32 (``permute_codes``).
     """
-    if ONE_ROW:
-        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-        words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w,
-                            K, MASK_K, MASK_N)  # fmt: skip
-        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
-        x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
-    else:
-        offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, None, :]
-        rows = offs_n[None, :, None]
-        words = _load_words(words_ptr, rows * stride_w, (offs_n < N)[None, :, None], offs_w, K,
-                            MASK_K, MASK_N)  # fmt: skip
-        x_ptrs = xp_ptr + offs_m[:, None, None] * stride_xm + offs_w + 0 * rows
-        x_mask = (offs_m < M)[:, None, None] & (offs_w < stride_xj) & (rows >= 0)
+    offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+    words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
+                        MASK_K, MASK_N)  # fmt: skip
+    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
     scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
-    if not ONE_ROW:
-        scale = scale[None, :, :]
-        if HAS_ZEROS:
-            zero = zero[None, :, :]
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        if MASK_K or MASK_M:
-            x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0)
+        if MASK_K:
+            x = tl.load(x_ptrs + j * stride_xj, mask=offs_w < stride_xj, other=0.0)
         else:
             x = tl.load(x_ptrs + j * stride_xj)
         w = _code(state, zero, j, FAMILY, USE_ASM)
@@ -257,14 +242,14 @@ def packed_gemv_kernel(
     stride_we, stride_se, stride_ge,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
-    (few rows) or tensor-core dots in the activations' dtype ``X_DTYPE`` (``USE_DOT``,
-    ``BLOCK_M >= 16``).
+    (one row, ``BLOCK_M == 1``) or tensor-core dots in the activations' dtype ``X_DTYPE``
+    (``USE_DOT``, ``BLOCK_M >= 16``).
 
     ``EXPERTS`` (one row per program): row ``m`` multiplies the weight of expert
     ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
@@ -300,28 +285,20 @@ def packed_gemv_kernel(
                 INTERPRET,
             )  # fmt: skip
         total = acc
-    else:
-        ONE_ROW: tl.constexpr = BLOCK_M == 1
-        if ONE_ROW:
-            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    else:  # one row (BLOCK_M == 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
             acc = _fma_tile(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
-                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_M, MASK_N, USE_ASM,
-                ONE_ROW,
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
+                K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
             )  # fmt: skip
         if k_full < k_end:
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, True, USE_ASM, ONE_ROW,
+                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
             )  # fmt: skip
-        if ONE_ROW:
-            total = tl.sum(acc, axis=1)[None, :]
-        else:
-            total = tl.sum(acc, axis=2)
+        total = tl.sum(acc, axis=1)[None, :]
     store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
                stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

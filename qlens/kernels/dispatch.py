@@ -76,7 +76,7 @@ def quantized_linear(
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
         out = fp8_block_w8a8_linear(x2, w, bias, config)
-    elif config.path in ("gemv", "pairs"):
+    elif config.path == "gemv":
         from qlens.kernels.gemv import gemv_linear
 
         out = gemv_linear(x2, w, bias, config)

@@ -2,8 +2,8 @@
 
 Packed 4-bit weights whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel``
 (``QLENS_WORD_GEMV=0`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
-weight tile, 16-byte word loads, integer decodes, FMAs for up to ``FMA_MAX_ROWS`` rows and
-tensor-core dots beyond. On the H200 (28672 x 8192, one row) it is 1.8-2.7x faster than the
+weight tile, 16-byte word loads, integer decodes, FMAs for one row and tensor-core dots
+beyond. On the H200 (28672 x 8192, one row) it is 1.8-2.7x faster than the
 byte-wise kernel. Other weights take the byte-wise kernel here
 (no tensor cores, no shared memory: one program per (N tile, row, K split), so small M re-reads
 the strip from L2, not memory, and the product is reduced along K once at the end).
@@ -22,12 +22,11 @@ from torch import Tensor
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.decode_fast import packed_gemv_kernel
-from qlens.kernels.int4_pairs import BIAS, SUBTILE_K, fragment_order_words, int4_pairs_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.linear import weight_only_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import SplitTarget, split_target, store_tile
-from qlens.kernels.weights import INT4, KernelWeight
+from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
 
@@ -93,50 +92,31 @@ def word_view(w: KernelWeight) -> Tensor | None:
     return data.view(torch.int32)
 
 
-# Up to this many rows the packed GEMV multiplies in FMAs (each weight decoded once for all
-# rows); more rows go to tensor-core dots, whose cost does not grow with the rows.
-FMA_MAX_ROWS = 4
+# Up to this many rows the packed GEMV multiplies in FMAs; more rows go to tensor-core dots,
+# whose cost does not grow with the rows. An [M, N, words] FMA product for 2-4 rows ran at
+# 0.06-0.07x bf16 on the H200 (6144 x 4096 int4, 4 rows: 604.8 us, gemv_registers_h200.md).
+FMA_MAX_ROWS = 1
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def register_cap(cfg: LinearConfig) -> dict[str, int]:
-    """The launch option capping registers per thread, when the config sets one."""
-    return {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
-
-
-def _block_m(m: int, cap: int) -> int:
-    """Rows of ``x`` per program: the next power of two of ``m``, at most ``cap``."""
-    return min(1 << max(m - 1, 0).bit_length(), cap)
-
-
 def _packed_block_m(m: int, cfg: LinearConfig, *, experts: bool) -> int:
-    """Rows of ``x`` per program of the packed GEMV: one per expert row, all rows up to
-    ``FMA_MAX_ROWS`` in FMAs, at least 16 on tensor cores."""
-    if experts:
-        return 1  # each row has its own expert
-    return max(16, cfg.block_m) if m > FMA_MAX_ROWS else _block_m(m, FMA_MAX_ROWS)
+    """Rows of ``x`` per program of the packed GEMV: one in FMAs (a single row, or one expert
+    row each), at least 16 on tensor cores."""
+    if experts or m <= FMA_MAX_ROWS:
+        return 1
+    return max(16, cfg.block_m)
 
 
-def permute_codes(
-    x: Float[Tensor, "m k"], *, for_dot: bool, fragment_order: bool = False
-) -> Float[Tensor, "m 8 words"]:
+def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m 8 words"]:
     """``x`` regrouped for the packed GEMV by code position: ``out[m, j, w] = x[m, 8 * w + j]``
     (zero-padded to a multiple of four words), so that code ``j`` of consecutive words is
     contiguous and the kernel reads it with wide loads in the words' own layout. float32 for
-    the FMA kernel, ``x``'s dtype for the tensor-core kernels.
-
-    ``fragment_order`` (the int4 pair-decoding GEMV): padded to blocks of 16 words, each block
-    in ``int4_pairs.fragment_order``, the order in which that kernel feeds the words to the dot.
-    """
+    the FMA kernel, ``x``'s dtype for the tensor-core kernel."""
     m, k = x.shape
-    block = 16 if fragment_order else 4
-    words = -(-k // (8 * block)) * block
-    padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % (8 * block) else x
+    words = -(-k // 32) * 4
+    padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % 32 else x
     out = torch.empty((m, 8, words), dtype=x.dtype if for_dot else torch.float32, device=x.device)
-    regrouped = padded.view(m, words, 8).transpose(1, 2)
-    if fragment_order:
-        regrouped = fragment_order_words(regrouped.reshape(m, 8, words // 16, 16))
-    out.copy_(regrouped.reshape(m, 8, words) if fragment_order else regrouped)
+    out.copy_(padded.view(m, words, 8).transpose(1, 2))
     return out
 
 
@@ -168,9 +148,6 @@ def _packed_gemv(
     xp = permute_codes(x, for_dot=use_dot)
     block_m = _packed_block_m(m, cfg, experts=experts is not None)
     split = target.split
-    # Pipelined loads stage whole operands in shared memory: fine for one row, but the
-    # several-row product reads x as [M, N, words] and would stage N copies of it.
-    loop_stages = cfg.num_stages if block_m == 1 else 1
     grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
     if use_dot and scales.dtype == torch.float8_e4m3fn:
@@ -189,51 +166,10 @@ def _packed_gemv(
         FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
         HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        MASK_M=m % block_m != 0, MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+        MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
         USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
-        EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=loop_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **register_cap(cfg),
-    )  # fmt: skip
-
-
-def pairs_refusal(w: KernelWeight, dtype: torch.dtype) -> str | None:
-    """Why the int4 pair-decoding GEMV cannot run ``w`` on ``dtype`` activations (``None``: it
-    can)."""
-    if w.family != INT4 or word_view(w) is None:
-        return f"it reads int4 weights in whole int32 words, not this {w.name} weight"
-    if dtype not in BIAS:
-        return f"it multiplies bf16 or fp16 activations on tensor cores, not {dtype}"
-    if w.group_k % SUBTILE_K:
-        return f"its scale groups must be multiples of {SUBTILE_K} along K, not {w.group_k}"
-    return None
-
-
-def _pairs_gemv(
-    x: Float[Tensor, "m k"],
-    w: KernelWeight,
-    words: Tensor,
-    bias: Float[Tensor, "..."] | None,
-    cfg: LinearConfig,
-    target: SplitTarget,
-) -> None:
-    refusal = pairs_refusal(w, x.dtype)
-    if refusal is not None:
-        raise ValueError(f"the 'pairs' path cannot run this product: {refusal}; use 'gemv'")
-    if cfg.block_k % SUBTILE_K:
-        raise ValueError(f"the 'pairs' path steps K by multiples of {SUBTILE_K}, got {cfg.block_k}")
-    require_tile_sizes(block_n=cfg.block_n)
-    m, k = x.shape
-    xp = permute_codes(x, for_dot=True, fragment_order=True)
-    _, scales, zeros, _ = kernel_args(w)
-    interpret = interpreting()
-    int4_pairs_kernel[(ceil_div(w.n, cfg.block_n), ceil_div(m, 16), target.split)](
-        xp, words, scales, zeros, bias if bias is not None else x, target.out, target.partials,
-        m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
-        target.stride_split, GROUP_K=w.group_k, HAS_ZEROS=w.zeros is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        MASK_N=w.n % cfg.block_n != 0, SPLIT_K=target.split, X_DTYPE=_TL_DTYPES[x.dtype],
-        USE_ASM=not interpret, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **register_cap(cfg),
+        EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -275,16 +211,6 @@ def gemv_linear(
     """
     m, k = x.shape
     words = word_view(w)
-    if cfg.path == "pairs":
-        if words is None:
-            raise ValueError(
-                f"the 'pairs' path cannot run this product: {pairs_refusal(w, x.dtype)}; use 'gemv'"
-            )
-        out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-        target = split_target(out, cfg.split_k)
-        with on_device(x.device):
-            _pairs_gemv(x, w, words, bias, cfg, target)
-        return target.finish(bias)
     if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
     out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)

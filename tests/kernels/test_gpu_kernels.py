@@ -171,7 +171,7 @@ def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
 @pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
 def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
     """Several full K tiles and a ragged tail (K = 2 * 4096 + 256) on the one-row layouts."""
-    from qlens.kernels.gemv import WORD_GEMV_ENV
+    from qlens.kernels.gemv import FMA_MAX_ROWS, WORD_GEMV_ENV
 
     monkeypatch.setenv(WORD_GEMV_ENV, "1")
     p = quantized(72, 8448, case).to("cuda")
@@ -187,6 +187,8 @@ def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
             LinearConfig("gemv", 16, 8, 1024, num_warps=1, split_k=3, num_stages=4),
             LinearConfig("gemv", 16, 32, 1024),
         ):
+            if m > FMA_MAX_ROWS and cfg.block_n < 16:
+                continue  # tensor-core dots take no narrow tiles (test_config_validation)
             out = quantized_linear(x, p, config=cfg)
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (m, cfg)
 
@@ -207,37 +209,3 @@ def test_experts_one_launch_on_gpu(case):
     x = torch.randn(7, 1024, device="cuda").to(torch.bfloat16)
     ref = torch.einsum("tk,tnk->tn", x.double(), weight[ids]) + bias.double()[ids]
     assert rel_err(experts_linear(x, p, ids, bias), ref) < TOLERANCE[torch.bfloat16]
-
-
-PAIR_CASES = (
-    ("int4", {"group_size": 128, "asymmetric": True, "scale_dtype": "bf16"}),
-    ("int4", {"group_size": 128}),
-    ("int4", {"group_size": 256, "scale_dtype": "fp16"}),
-)
-PAIR_LAUNCHES = (
-    LinearConfig("pairs", 16, 64, 128, num_stages=1),
-    LinearConfig("pairs", 16, 128, 256, num_stages=3, split_k=2),
-    LinearConfig("pairs", 16, 256, 128, num_warps=8, split_k=3),
-    LinearConfig("pairs", 16, 64, 512, num_stages=2),
-)
-
-
-@pytest.mark.parametrize("case", PAIR_CASES, ids=scheme_id)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("k", (1024, 8448, 776), ids=lambda k: f"k{k}")
-def test_int4_pairs_gemv_on_gpu(case, dtype, k):
-    """The pair-decoding int4 GEMV (inline PTX) rounds only at the output: its error is that of
-    casting the exact float64 product to ``dtype``, up to float32 summation."""
-    if k % int(case[1]["group_size"]) and case[1]["group_size"] == 256:
-        pytest.skip("the K tail is covered with 128-wide groups")
-    p = quantized(300, k, case).to("cuda")
-    weight = dequantize(p, torch.float64)
-    bias = torch.randn(300, device="cuda").to(dtype)
-    for m in (1, 3, 16, 21):
-        x = torch.randn(m, k, device="cuda").to(dtype)
-        ref = torch.nn.functional.linear(x.double(), weight, bias.double())
-        rounding = rel_err(ref.to(dtype), ref)
-        for cfg in PAIR_LAUNCHES:
-            out = quantized_linear(x, p, bias, config=cfg)
-            assert out.dtype == dtype and out.shape == ref.shape
-            assert rel_err(out, ref) < 1.05 * rounding + 1e-5, (m, cfg)

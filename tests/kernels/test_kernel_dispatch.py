@@ -33,12 +33,12 @@ def test_config_validation():
         DequantLaunch(32, 8)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
         LinearConfig("splitk", 16, 8, 64)
-    narrow = LinearConfig("gemv", 16, 8, 64)  # FMA GEMV tiles may be narrow...
+    narrow = LinearConfig("gemv", 16, 8, 64)  # the one-row FMA GEMV's tiles may be narrow...
     payload = quantized(16, 64, ("int4", {"group_size": 32}))
-    x = torch.randn(2, 64)
-    assert quantized_linear(x, payload, config=narrow).shape == (2, 16)
+    x = torch.randn(1, 64)
+    assert quantized_linear(x, payload, config=narrow).shape == (1, 16)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
-        quantized_linear(torch.randn(8, 64), payload, config=narrow)  # ...not tensor-core ones
+        quantized_linear(torch.randn(2, 64), payload, config=narrow)  # ...not tensor-core ones
 
 
 def test_supports():
@@ -89,8 +89,8 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     few = choose_config(1, 4096, 14336, gpu, packed_words=True)
     assert (few.block_n, few.block_k, few.num_warps, few.split_k) == (4, 2048, 1, 1)
     assert choose_config(1, 6144, 4096, gpu, packed_words=True).block_k == 1024
-    two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)
-    assert (two_rows.block_n, two_rows.block_k) == (32, 1024)
+    two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)  # tensor cores from 2 rows
+    assert (two_rows.block_n, two_rows.block_k) == (64, 256)
     assert (byte.path, byte.block_n, byte.block_k, byte.num_stages) == ("gemv", 16, 512, 4)
     sixteen = choose_config(16, 28672, 8192, gpu, packed_words=True)
     assert (sixteen.path, sixteen.block_n, sixteen.block_k) == ("gemv", 64, 256)
@@ -99,7 +99,7 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"
     # A small layer splits K until the grid covers the GPU, down to one long K step per split.
     small = choose_config(2, 4096, 4096, gpu, packed_words=True)
-    assert small.split_k == 4  # 128 tiles x 4 splits of one 1024-wide K step each
+    assert small.split_k == 4  # 64 tiles x 4 splits (the most a GEMV splits)
     # One row splits only below one program per SM: 256 byte-wise tiles stay unsplit.
     assert choose_config(1, 4096, 4096, gpu).split_k == 1
     assert choose_config(1, 2048, 4096, gpu).split_k == 2  # 128 tiles

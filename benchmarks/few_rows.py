@@ -1,0 +1,76 @@
+"""The dispatcher's default launch for 2 to 8 rows (small-batch decode, speculative decoding)
+against bf16 ``F.linear``, on the 8B decode layers and the largest benchmark layer, for every
+weight-only scheme the kernels read.
+
+Run on a CUDA GPU: ``python benchmarks/few_rows.py``; prints markdown and, when ``$OUT`` is set,
+writes it to ``$OUT/few_rows_h200.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from qlens.kernels import choose_config, dequantize_triton, quantized_linear
+from qlens.kernels.gemv import word_view
+from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.weights import kernel_weight
+from qlens.quant.quantize import quantize_weight
+
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
+SCHEMES = (
+    ("int4", {"group_size": 128}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+    ("fp8-block", {}),
+    ("int8", {"group_size": 128}),
+)
+ROWS = (2, 4, 8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schemes", help="comma-separated subset of the schemes")
+    parser.add_argument("--rows", help="comma-separated row counts (default 2,4,8)")
+    args = parser.parse_args()
+    schemes = [c for c in SCHEMES if args.schemes is None or c[0] in args.schemes.split(",")]
+    row_counts = ROWS if args.rows is None else tuple(int(r) for r in args.rows.split(","))
+    dev = torch.device("cuda")
+    rows = [
+        "| N x K | scheme | M | launch | bf16 us | qlens us | vs bf16 | rel. err |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, k in SHAPES:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        bf16 = rotation(w)
+        for m in row_counts:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+            for scheme, kw in schemes:
+                p0 = quantize_weight(w, scheme, **kw)
+                ps = rotation(p0)
+                words = word_view(kernel_weight(p0)) is not None
+                cfg = choose_config(m, n, k, dev, packed_words=words)
+                t = time_graph([lambda p=p, x=x: quantized_linear(x, p) for p in ps])
+                exact = F.linear(x.double(), dequantize_triton(p0, torch.float32).double())
+                out = quantized_linear(x, p0).double()
+                err = ((out - exact).norm() / exact.norm()).item()
+                launch = (
+                    f"{cfg.path} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split {cfg.split_k}"
+                )
+                rows.append(
+                    f"| {n} x {k} | {scheme} | {m} | {launch} | {t_bf16:.1f} | {t:.1f} | "
+                    f"{t_bf16 / t:.2f}x | {err:.1e} |"
+                )
+                print(rows[-1], flush=True)
+                del ps
+        del bf16
+        torch.cuda.empty_cache()
+    publish(header("Default launches for 2 to 8 rows") + "\n".join(rows), "few_rows_h200.md")
+
+
+if __name__ == "__main__":
+    main()
