@@ -60,7 +60,9 @@ def main() -> None:
             ps = payloads[key]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
-            auto = choose_config(m, n, k, dev, w8a8=w8a8, packed_words="word" in label)
+            auto = choose_config(
+                m, n, k, dev, w8a8=w8a8, packed_words="word" in label, int4=scheme == "int4"
+            )
             t_auto = _time(ps, x, None, w8a8)
             times = {f"s{s}": _time(ps, x, replace(base_cfg, split_k=s), w8a8) for s in SPLITS}
             out = quantized_linear(x, ps[0], config=replace(base_cfg, split_k=4), w8a8=w8a8)

@@ -58,6 +58,8 @@ class LinearConfig:
 GEMV_MAX_M = 4
 SPLITK_MAX_M = 64
 GEMV_MAX_SPLIT = 4
+# One-row int4 GEMVs over at least this many weights take 8 x 1024 tiles pipelined 3 deep.
+INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 
 # H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
@@ -157,10 +159,12 @@ def choose_config(
     *,
     w8a8: bool = False,
     packed_words: bool = False,
+    int4: bool = False,
 ) -> LinearConfig:
     """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8).
 
-    ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``).
+    ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
+    ``int4``: its words hold int4 codes, whose cheaper decode takes longer tiles on large layers.
     """
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
@@ -176,10 +180,16 @@ def choose_config(
         if m <= max_m:
             cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
             break
-    if packed_words and h200 and m == 1 and ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
-        # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
-        # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
-        cfg = replace(cfg, block_k=2048)
+    if packed_words and h200 and m == 1:
+        if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
+            # int4 on large layers: 8 rows a program, loads pipelined 3 deep (gemv_tiles_h200.md:
+            # 1.05-1.09x on the 28672-row layers, 1.06x over 4 x 2048 on 4096 x 14336; slower on
+            # the smaller 8B layers, and for MXFP4 / NVFP4 everywhere).
+            cfg = replace(cfg, block_n=8, num_stages=3)
+        elif ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
+            # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
+            # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
+            cfg = replace(cfg, block_k=2048)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

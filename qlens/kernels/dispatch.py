@@ -9,7 +9,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
-from qlens.kernels.weights import cached_on_payload, kernel_weight, unsupported_reason
+from qlens.kernels.weights import INT4, cached_on_payload, kernel_weight, unsupported_reason
 from qlens.quant.payload import QuantPayload
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -71,7 +71,9 @@ def quantized_linear(
         from qlens.kernels.gemv import word_view
 
         words = not w8a8 and word_view(w) is not None
-        config = choose_config(m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words)
+        config = choose_config(
+            m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words, int4=w.family == INT4
+        )
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 

@@ -89,6 +89,14 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     few = choose_config(1, 4096, 14336, gpu, packed_words=True)
     assert (few.block_n, few.block_k, few.num_warps, few.split_k) == (4, 2048, 1, 1)
     assert choose_config(1, 6144, 4096, gpu, packed_words=True).block_k == 1024
+    # int4 on large layers: 8 rows a program, loads pipelined 3 deep, unsplit.
+    for n, k in ((28672, 8192), (28672, 4096), (4096, 14336)):
+        long = choose_config(1, n, k, gpu, packed_words=True, int4=True)
+        assert (long.block_n, long.block_k, long.num_stages, long.split_k) == (8, 1024, 3, 1)
+    small_int4 = choose_config(1, 6144, 4096, gpu, packed_words=True, int4=True)
+    assert (small_int4.block_n, small_int4.block_k) == (4, 1024)
+    assert choose_config(1, 4096, 4096, gpu, packed_words=True, int4=True).block_k == 2048
+    assert choose_config(2, 28672, 8192, gpu, packed_words=True, int4=True).block_n == 64
     two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)  # tensor cores from 2 rows
     assert (two_rows.block_n, two_rows.block_k) == (64, 256)
     assert (byte.path, byte.block_n, byte.block_k, byte.num_stages) == ("gemv", 16, 512, 4)
