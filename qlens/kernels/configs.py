@@ -1,6 +1,7 @@
 """Launch configurations: a small table tuned on the H200, safe defaults elsewhere.
 
-``"gemv"`` serves a few rows with plain FMAs (no tensor cores); the decode path (``"splitk"``)
+``"gemv"`` streams the weight once for a few rows: one row in plain FMAs, and for packed 4-bit
+words up to 16 rows on tensor-core dots (``qlens.kernels.gemv``); the decode path (``"splitk"``)
 runs small M on tensor cores with narrow tiles and splits K over programs so a single token
 still fills the GPU; the ``"gemm"`` path runs large M with wide tensor-core tiles.
 ``"dequant"`` decodes the weight once with a Triton kernel and multiplies with cuBLAS;
