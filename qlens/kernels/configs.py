@@ -165,7 +165,8 @@ def choose_config(
     """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8).
 
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
-    ``int4``: its words hold int4 codes, whose cheaper decode takes longer tiles on large layers.
+    ``int4``: its words hold symmetric int4 codes, whose cheaper decode takes longer tiles on
+    large layers.
     """
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K

@@ -71,9 +71,10 @@ def quantized_linear(
         from qlens.kernels.gemv import word_view
 
         words = not w8a8 and word_view(w) is not None
-        config = choose_config(
-            m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words, int4=w.family == INT4
-        )
+        # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a
+        # thread (168 without; local sm_90 compile) and was not measured.
+        int4 = w.family == INT4 and w.zeros is None
+        config = choose_config(m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words, int4=int4)
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
