@@ -95,7 +95,7 @@ def test_composition_scores_follow_the_definition(mode):
     for h1 in range(n_heads):
         for h2 in range(n_heads):
             expected = _full_score(ov[0, h1].double(), right[1, h2].double())
-            assert abs(float(scores[0, h1, 1, h2]) - float(expected)) < 1e-5
+            assert abs(scores[0, h1, 1, h2].item() - expected.item()) < 1e-5
     assert torch.equal(scores[1], torch.zeros_like(scores[1]))  # no later layer
     assert torch.equal(scores[0, :, 0], torch.zeros_like(scores[0, :, 0]))  # same layer
 
