@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels import quantized_linear
-from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rotation, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))
@@ -31,7 +30,7 @@ def main() -> None:
         for scheme in SCHEMES:
             p0 = quantize_weight(w, scheme)
             ps = rotation(p0)
-            t = time_graph([lambda p=p, x=x: quantized_linear(x, p) for p in ps])
+            t = time_linear(ps, x)
             cells.append(f"{t:.1f} ({base / t:.2f}x)")
         rows.append(f"| {m} | {n} x {k} | {base:.1f} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -33,7 +33,7 @@ SPLITS = (1, 2, 4, 8, 16)
 
 def _time(ps, x, cfg, w8a8) -> float:
     try:
-        return time_graph([lambda p=p: quantized_linear(x, p, config=cfg, w8a8=w8a8) for p in ps])
+        return time_linear(ps, x, cfg, w8a8=w8a8)
     except (RuntimeError, ValueError) as err:
         print(f"<!-- {cfg} failed: {str(err)[:200]} -->", flush=True)
         return float("nan")
@@ -67,7 +67,7 @@ def main() -> None:
             times = {f"s{s}": _time(ps, x, replace(base_cfg, split_k=s), w8a8) for s in SPLITS}
             out = quantized_linear(x, ps[0], config=replace(base_cfg, split_k=4), w8a8=w8a8)
             exact = F.linear(x.float(), dequantize_triton(ps[0], torch.float32))
-            rel = ((out.double() - exact.double()).norm() / exact.double().norm()).item()
+            rel = rel_err(out, exact)
             best = min(v for v in times.values() if v == v)
             rows.append(
                 f"| {label} | {m} | {n} x {k} | {t_bf16:.1f} | {t_auto:.1f} ({auto.split_k}) | "

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.gemv import word_view
-from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 
@@ -54,10 +54,9 @@ def main() -> None:
                 ps = rotation(p0)
                 words = word_view(kernel_weight(p0)) is not None
                 cfg = choose_config(m, n, k, dev, packed_words=words)
-                t = time_graph([lambda p=p, x=x: quantized_linear(x, p) for p in ps])
+                t = time_linear(ps, x)
                 exact = F.linear(x.double(), dequantize_triton(p0, torch.float32).double())
-                out = quantized_linear(x, p0).double()
-                err = ((out - exact).norm() / exact.norm()).item()
+                err = rel_err(quantized_linear(x, p0), exact)
                 launch = (
                     f"{cfg.path} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split {cfg.split_k}"
                 )

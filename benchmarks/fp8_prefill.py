@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels import quantized_linear
 from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, quantize_activations
 from qlens.kernels.timing import (
     clone_payload,
@@ -27,6 +26,7 @@ from qlens.kernels.timing import (
     publish,
     rotation,
     time_graph,
+    time_linear,
 )
 from qlens.quant.quantize import quantize_weight
 
@@ -86,7 +86,7 @@ def _linear_rows() -> list[str]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a, a_s = quantize_activations(x)
             t_bf16 = time_graph([lambda wb=wb, x=x: F.linear(x, wb) for wb in ws])
-            t_qlens = time_graph([lambda p=p, x=x: quantized_linear(x, p, w8a8=True) for p in fp8])
+            t_qlens = time_linear(fp8, x, w8a8=True)
             t_gemm = time_graph(
                 [lambda p=p, a=a, s=a_s: _gemm_only(a, s, p.data, p.scales) for p in fp8]
             )

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
@@ -54,13 +54,8 @@ def main() -> None:
             for bn, bk, warps, stages in LAUNCHES:
                 cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
                 try:
-                    times.append(
-                        time_graph(
-                            [lambda p=p, x=x, c=cfg: quantized_linear(x, p, config=c) for p in ps]
-                        )
-                    )
-                    out = quantized_linear(x, p0, config=cfg).double()
-                    worst = max(worst, ((out - exact).norm() / exact.norm()).item())
+                    times.append(time_linear(ps, x, cfg))
+                    worst = max(worst, rel_err(quantized_linear(x, p0, config=cfg), exact))
                 except (RuntimeError, ValueError) as err:
                     print(f"<!-- {scheme} {cfg} failed: {str(err)[:200]} -->", flush=True)
                     times.append(float("nan"))

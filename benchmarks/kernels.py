@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph
+from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
@@ -101,7 +101,7 @@ def bench_shape(n, k, m_values, rows):
 
 def _time_config(x, p, w8, cfg):
     try:
-        return time_graph([lambda: quantized_linear(x, p, w8a8=w8, config=cfg)])
+        return time_linear([p], x, cfg, w8a8=w8)
     except (RuntimeError, ValueError, AssertionError) as err:
         print(f"<!-- {cfg} failed: {str(err)[:200]} -->")
         return float("nan")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import header, publish, rotation, time_graph
+from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
@@ -48,10 +48,6 @@ def _safe(what: str, fn: Callable[[], float]) -> float:
         return float("nan")
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfig:
     """A GEMV launch with the dispatcher's K split for these tiles on the GPU."""
     cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps)
@@ -70,10 +66,6 @@ def word_gemv(on: bool) -> Iterator[None]:
             os.environ.pop(WORD_GEMV_ENV, None)
         else:
             os.environ[WORD_GEMV_ENV] = before
-
-
-def _time_linear(ps, x, cfg=None) -> float:
-    return time_graph([lambda p=p: quantized_linear(x, p, config=cfg) for p in ps])
 
 
 def gemlite_int4(p, n: int, k: int):
@@ -122,9 +114,9 @@ def bench(sweep: bool, dev: torch.device) -> str:
                     with word_gemv(on):
                         cells[f"{s} {label}"] = _safe(
                             f"{s} {label} {m}x{n}x{k}",
-                            lambda ps=ps, x=x, c=c: _time_linear(ps, x, c),
+                            lambda ps=ps, x=x, c=c: time_linear(ps, x, c),
                         )
-                        err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: _rel_err(
+                        err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: rel_err(
                             quantized_linear(x, p, config=c), r))  # fmt: skip
                     checks.append((f"{s} {label}", m, n, k, err))
             if layers:
@@ -133,7 +125,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
                 )
                 ref = F.linear(x.float(), dequantize_triton(payloads["int4"][0], torch.float32))
                 checks.append(("gemlite int4", m, n, k, _safe("gemlite parity", lambda x=x, r=ref,
-                    g=layers[0]: _rel_err(g(x), r))))  # fmt: skip
+                    g=layers[0]: rel_err(g(x), r))))  # fmt: skip
             rows.append((m, n, k, cfg, word_cfg, base, cells))
             print(f"<!-- {m}x{n}x{k} bf16={base:.1f} {cells} -->", flush=True)
         if sweep and (n, k) == SHAPES[-1]:
@@ -142,7 +134,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
                 c = _launch(m, n, k, bn, bk, warps)
                 with word_gemv(True):
                     us = _safe(
-                        f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: _time_linear(ps, x, c)
+                        f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: time_linear(ps, x, c)
                     )
                 sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
                 print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)

@@ -26,7 +26,15 @@ from qlens.kernels import experts_linear, quantized_linear
 from qlens.kernels.configs import choose_config
 from qlens.kernels.experts import stacked_experts
 from qlens.kernels.gemv import experts_gemv
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_eager, time_graph
+from qlens.kernels.timing import (
+    clone_payload,
+    copies_for,
+    header,
+    publish,
+    rel_err,
+    time_eager,
+    time_graph,
+)
 from qlens.quant.dequantize import dequantize
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.quantize import quantize_weight
@@ -42,10 +50,6 @@ PROJECTIONS = (
 )
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 ROUTES = 8  # distinct routes per graph, so that the same experts are not re-read from L2
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _routes(experts: int, top_k: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -80,7 +84,7 @@ def _scheme_row(label, scheme, kwargs, w, x, routes, t_bf16, t_bf16_eager) -> st
     t_loop = time_graph([_expert_loop(x, q, r.tolist()) for q in ps for r in routes])
     t_eager = time_eager(lambda: experts_linear(x, p, routes[0]))
     ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(p, torch.float64)[routes[0]])
-    err = _rel_err(experts_linear(x, p, routes[0]), ref)
+    err = rel_err(experts_linear(x, p, routes[0]), ref)
     return (
         f"| {label} | {scheme} | {t_one:.1f} | {t_loop:.1f} | {t_bf16:.1f} | "
         f"{t_bf16 / t_one:.2f}x | {t_loop / t_one:.2f}x | {t_eager:.1f} | {t_bf16_eager:.1f} | "

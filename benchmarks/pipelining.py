@@ -20,12 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import (
-    header,
-    publish,
-    rotation,
-    time_graph,
-)
+from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
 from qlens.quant.quantize import quantize_weight
 
 GEMV_SHAPES = ((28672, 8192), (4096, 4096), (14336, 4096))
@@ -34,10 +29,6 @@ WORD_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 WORD_LAUNCHES = ((4, 1024, 1), (8, 1024, 1), (4, 2048, 2), (8, 2048, 2))
 BYTE_LAUNCHES = ((32, 256, 4), (16, 512, 4), (64, 256, 4))
 STAGES = (1, 2, 3, 4)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def gemv_rows() -> list[str]:
@@ -63,9 +54,8 @@ def gemv_rows() -> list[str]:
                 times, errs = [], []
                 for stages in STAGES:
                     cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
-                    errs.append(_rel_err(quantized_linear(x, p, config=cfg), ref))
-                    times.append(time_graph([lambda q=q, c=cfg, x=x: quantized_linear(x, q, config=c)
-                                             for q in ps]))  # fmt: skip
+                    errs.append(rel_err(quantized_linear(x, p, config=cfg), ref))
+                    times.append(time_linear(ps, x, cfg))
                 # A time whose result misses the reference (rel. err > 1e-2) is marked "(wrong)".
                 cells = " | ".join(
                     f"{t:.1f}" + (" (wrong)" if e > 1e-2 else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import os
 import platform
 import sys
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qlens.kernels.configs import LinearConfig
 from qlens.quant.payload import QuantPayload
 
 
@@ -141,6 +143,28 @@ def rotation(first: torch.Tensor | QuantPayload) -> list:
     if isinstance(first, torch.Tensor):
         return [first] + [first.clone() for _ in range(copies_for(first.nbytes) - 1)]
     return [first] + [clone_payload(first) for _ in range(copies_for(first.nbytes) - 1)]
+
+
+def time_linear(
+    payloads: Sequence[QuantPayload],
+    x: torch.Tensor,
+    config: LinearConfig | None = None,
+    *,
+    w8a8: bool = False,
+) -> float:
+    """``time_graph`` of ``quantized_linear(x, p, config=config, w8a8=w8a8)`` over ``payloads``
+    (a ``rotation`` of one weight)."""
+    from qlens.kernels.dispatch import quantized_linear
+
+    return time_graph(
+        [functools.partial(quantized_linear, x, p, config=config, w8a8=w8a8) for p in payloads]
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``|out - ref| / |ref|``, computed in float64."""
+    out64, ref64 = out.double(), ref.double()
+    return ((out64 - ref64).norm() / ref64.norm()).item()
 
 
 def publish(text: str, filename: str) -> None:
