@@ -66,17 +66,17 @@ INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
-# kernel; 4 x 2048 when there are at most 8 such programs per SM, gemv_tiles_h200.md);
-# tensor-core dots per code position from 2 up to 16
-# rows, over 64 x 256 tiles (the fastest of four tiles for every scheme and benchmark layer,
-# benchmarks/results/dot_operand_order_h200.md). Other weights take the byte-wise GEMV for one
-# row (16 x 512 tiles, loads pipelined 4 deep: fp8-block 63.9 us vs 73.5 us unpipelined at
-# 32 x 256, benchmarks/results/pipelining_h200.md; pipelining the word-wise one-row loop was
-# slower) and the tensor-core split-K from 2 up to 32 rows (the byte-wise GEMV runs one program
-# per row: 0.45-0.64x bf16 at 4 rows, against 1.13-1.41x for fp8-block on split-K at 8,
-# benchmarks/results/few_rows_h200.md). Larger batches dequantize once and multiply with cuBLAS. W8A8 hands batches
-# above 16 rows to cuBLAS' blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on
-# three of the four benchmark shapes).
+# kernel; 4 x 2048 when there are at most 8 such programs per SM, gemv_tiles_h200.md); from 2
+# up to 16 rows, tensor-core dots per code position over 64 x 256 tiles (the fastest of four
+# tiles for every scheme and benchmark layer, benchmarks/results/dot_operand_order_h200.md).
+# Other weights take the byte-wise GEMV for one row (16 x 512 tiles, loads pipelined 4 deep:
+# fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/pipelining_h200.md;
+# pipelining the word-wise one-row loop was slower) and the tensor-core split-K from 2 up to
+# 32 rows (the byte-wise GEMV runs one program per row: 0.45-0.64x bf16 at 4 rows, against
+# 1.13-1.41x for fp8-block on split-K at 8, benchmarks/results/few_rows_h200.md). Larger
+# batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS'
+# blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
+# benchmark shapes).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (16, "gemv", 16, 64, 256, 4, 3),

@@ -142,11 +142,11 @@ def _packed_gemv(
     experts: ExpertRows | None = None,
 ) -> None:
     m, k = x.shape
-    use_dot = m > FMA_MAX_ROWS and experts is None
+    block_m = _packed_block_m(m, cfg, experts=experts is not None)
+    use_dot = block_m > 1  # FMAs serve one row a program
     if use_dot:
         require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
     xp = permute_codes(x, for_dot=use_dot)
-    block_m = _packed_block_m(m, cfg, experts=experts is not None)
     split = target.split
     grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
     _, scales, zeros, global_scale = kernel_args(w)
