@@ -38,13 +38,11 @@ E2M1_MAGNITUDE_MASK = 0x0E000E00
 E2M1_SIGN_MASK = 0x80008000
 E2M1_FP16_FACTOR = 16384.0  # E2M1 value = fp16 value * 2**14
 INT4_MAGIC_BITS = 0x4B000000  # float32 2**23
-FMA_WORD_RUN = 4  # words a thread loads at once (16 bytes) and sums in-thread each K step
 
 _MAGNITUDE_C = tl.constexpr(E2M1_MAGNITUDE_MASK)
 _SIGN_C = tl.constexpr(E2M1_SIGN_MASK)
 _FACTOR_C = tl.constexpr(E2M1_FP16_FACTOR)
 _INT4_MAGIC_C = tl.constexpr(INT4_MAGIC_BITS)
-_WORD_RUN_C = tl.constexpr(FMA_WORD_RUN)
 
 
 def _shift_ptx(dst: str, src: str, amount: int) -> str:
@@ -199,13 +197,9 @@ def _fma_tile(
         else:
             part += w * x
     if FAMILY == INT4_C:
-        scaled = part * scale
+        return acc + part * scale
     else:
-        scaled = (part * _FACTOR_C) * scale
-    # Each thread holds FMA_WORD_RUN consecutive words (one 16-byte load): summing them here
-    # keeps a quarter of the accumulator live across the loop (fewer registers a thread).
-    RUN: tl.constexpr = min(_WORD_RUN_C, BLOCK_K // 8)
-    return acc + tl.sum(tl.reshape(scaled, (BLOCK_N, BLOCK_K // 8 // RUN, RUN)), axis=2)
+        return acc + (part * _FACTOR_C) * scale
 
 
 @triton.jit
@@ -292,8 +286,7 @@ def packed_gemv_kernel(
             )  # fmt: skip
         total = acc
     else:  # one row (BLOCK_M == 1)
-        RUN: tl.constexpr = min(_WORD_RUN_C, BLOCK_K // 8)
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8 // RUN), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
