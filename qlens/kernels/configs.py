@@ -115,9 +115,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device) -> int:
-    """Split K until the grid has about two programs per SM (one for a single row), keeping
-    >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps are long and whose programs
-    each stream one strip).
+    """Split K until the grid has about two programs per SM (one for a single row's GEMV, four
+    for several rows'), keeping >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps
+    are long and whose programs each stream one strip).
 
     GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
     one program); the byte-wise GEMV launches one per row, so its split errs towards more.
@@ -125,14 +125,19 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     4 ways: on the H200 every split of the 8B decode layers was slower for one row (fp8-block
     on 4096 x 4096: 7.1 us unsplit, 8.9 us at the two splits the two-per-SM rule gave), and at
     16 rows 4 splits beat the rule's 8 by 4-17% on the 4096-wide layers
-    (``decode_splits_h200.md``).
+    (``decode_splits_h200.md``). Several rows on the packed GEMV's tensor cores aim at four
+    programs per SM: on the 28672-row layers the 448 unsplit programs of two per SM ran
+    1.03-1.19x slower than 2 splits at 4 and 16 rows (``dot_gemv_tiles_h200.md``).
     """
     sms = _sm_count(device)
     rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
-    wanted = sms if cfg.path == "gemv" and m == 1 else 2 * sms
+    if cfg.path == "gemv":
+        wanted = sms if m == 1 else 4 * sms
+    else:
+        wanted = 2 * sms
     most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
     split = 1
     while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:

@@ -111,8 +111,12 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     # One row splits only below one program per SM: 256 byte-wise tiles stay unsplit.
     assert choose_config(1, 4096, 4096, gpu).split_k == 1
     assert choose_config(1, 2048, 4096, gpu).split_k == 2  # 128 tiles
-    # 16 rows on tensor cores: two programs per SM, at most 4 splits (64 tiles of 64 columns).
-    assert choose_config(16, 4096, 4096, gpu, packed_words=True).split_k == 4
-    assert choose_config(16, 6144, 4096, gpu, packed_words=True).split_k == 4
-    assert choose_config(16, 28672, 4096, gpu, packed_words=True).split_k == 1
+    # Several rows on tensor cores: four programs per SM, at most 4 splits (64 tiles of 64
+    # columns); 448 tiles of a 28672-row layer split in two.
+    for m in (4, 16):
+        assert choose_config(m, 4096, 4096, gpu, packed_words=True).split_k == 4
+        assert choose_config(m, 6144, 4096, gpu, packed_words=True).split_k == 4
+        assert choose_config(m, 28672, 4096, gpu, packed_words=True).split_k == 2
+        assert choose_config(m, 28672, 8192, gpu, packed_words=True).split_k == 2
+    assert choose_config(16, 57344, 4096, gpu, packed_words=True).split_k == 1  # 896 tiles
     assert choose_config(1, 4096, 4096, gpu, w8a8=True).path == "splitk"
