@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.configs import choose_config
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rel_err,
+    rotation,
+    time_graph,
+    time_launches,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 ROW_COUNTS = (16, 4)
@@ -57,15 +65,12 @@ def main() -> None:
             exact = F.linear(x.float(), dequantize_triton(p0, torch.float32)).double()
             chosen = choose_config(rows_m, n, k, dev, packed_words=True, int4=scheme == "int4")
             t_chosen = time_linear(ps, x, chosen)
-            times, worst = [], rel_err(quantized_linear(x, p0, config=chosen), exact)
-            for bn, bk, warps, stages, split in LAUNCHES:
-                cfg = LinearConfig("gemv", 16, bn, bk, split, num_warps=warps, num_stages=stages)
-                try:
-                    times.append(time_linear(ps, x, cfg))
-                    worst = max(worst, rel_err(quantized_linear(x, p0, config=cfg), exact))
-                except (RuntimeError, ValueError) as err:
-                    print(f"<!-- {scheme} {cfg} failed: {str(err)[:200]} -->", flush=True)
-                    times.append(float("nan"))
+            configs = [
+                LinearConfig("gemv", 16, bn, bk, split, num_warps=warps, num_stages=stages)
+                for bn, bk, warps, stages, split in LAUNCHES
+            ]
+            times, worst = time_launches(ps, x, configs, exact)
+            worst = max(worst, rel_err(quantized_linear(x, p0, config=chosen), exact))
             best = min([t_chosen, *(t for t in times if t == t)])
             label = _label((chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages,
                             chosen.split_k))  # fmt: skip

@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels import LinearConfig, dequantize_triton
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rotation,
+    time_graph,
+    time_launches,
+)
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
@@ -49,15 +55,11 @@ def main() -> None:
             p0 = quantize_weight(w, scheme, **kw)
             ps = rotation(p0)
             exact = F.linear(x.float(), dequantize_triton(p0, torch.float32)).double()
-            times, worst = [], 0.0
-            for bn, bk, warps, stages in LAUNCHES:
-                cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
-                try:
-                    times.append(time_linear(ps, x, cfg))
-                    worst = max(worst, rel_err(quantized_linear(x, p0, config=cfg), exact))
-                except (RuntimeError, ValueError) as err:
-                    print(f"<!-- {scheme} {cfg} failed: {str(err)[:200]} -->", flush=True)
-                    times.append(float("nan"))
+            configs = [
+                LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
+                for bn, bk, warps, stages in LAUNCHES
+            ]
+            times, worst = time_launches(ps, x, configs, exact)
             best = min(t for t in times if t == t)
             rows.append(
                 f"| {n} x {k} | {scheme} | {t_bf16:.1f} | "

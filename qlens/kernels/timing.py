@@ -161,6 +161,28 @@ def time_linear(
     )
 
 
+def time_launches(
+    payloads: Sequence[QuantPayload],
+    x: torch.Tensor,
+    configs: Sequence[LinearConfig],
+    exact: torch.Tensor,
+) -> tuple[list[float], float]:
+    """``time_linear`` of each launch in ``configs`` (NaN, with an HTML comment printed, where
+    one fails to launch) and the worst ``rel_err`` of their outputs on ``payloads[0]`` against
+    ``exact``."""
+    from qlens.kernels.dispatch import quantized_linear
+
+    times, worst = [], 0.0
+    for cfg in configs:
+        try:
+            times.append(time_linear(payloads, x, cfg))
+            worst = max(worst, rel_err(quantized_linear(x, payloads[0], config=cfg), exact))
+        except (RuntimeError, ValueError) as err:
+            print(f"<!-- {cfg} failed: {str(err)[:200]} -->", flush=True)
+            times.append(float("nan"))
+    return times, worst
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ``|out - ref| / |ref|``, computed in float64."""
     out64, ref64 = out.double(), ref.double()
