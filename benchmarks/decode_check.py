@@ -8,9 +8,15 @@ set, writes it to ``$OUT/decode_check_h200.md``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from qlens.kernels.timing import header, publish, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rotation,
+    seeded_weight,
+    time_bf16_linear,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))
@@ -21,11 +27,10 @@ def main() -> None:
     rows = ["| M | N x K | bf16 us | " + " | ".join(f"{s} us (vs bf16)" for s in SCHEMES) + " |",
             "|---|---|---|" + "---|" * len(SCHEMES)]  # fmt: skip
     for m, n, k in CASES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         bf16 = rotation(w)
-        base = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+        base = time_bf16_linear(bf16, x)
         cells = []
         for scheme in SCHEMES:
             p0 = quantize_weight(w, scheme)

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rel_err,
+    rotation,
+    seeded_weight,
+    time_bf16_linear,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -48,8 +56,7 @@ def main() -> None:
         "|---|---|---|---|---|" + "---|" * len(cols) + "---|---|",
     ]  # fmt: skip
     for n, k in SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
         payloads = {}
         for label, scheme, kw, w8a8, m, base_cfg in CASES:
@@ -59,7 +66,7 @@ def main() -> None:
                 payloads[key] = rotation(p0)
             ps = payloads[key]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+            t_bf16 = time_bf16_linear(bf16, x)
             auto = choose_config(
                 m, n, k, dev, w8a8=w8a8, packed_words="word" in label, int4=scheme == "int4"
             )

@@ -20,7 +20,14 @@ import triton.language as tl
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
-from qlens.kernels.timing import copy_bandwidths, header, publish, time_eager, time_graph
+from qlens.kernels.timing import (
+    copy_bandwidths,
+    header,
+    publish,
+    seeded_weight,
+    time_eager,
+    time_graph,
+)
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
@@ -145,8 +152,7 @@ def main():
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     sweeps = []
-    torch.manual_seed(0)
-    w = torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = seeded_weight(*SHAPE)
     compiled = torch.compile(dequantize, dynamic=False)
     for scheme, kw in SCHEMES:
         p = quantize_weight(w, scheme, **kw)

@@ -19,7 +19,8 @@ from qlens.kernels.timing import (
     publish,
     rel_err,
     rotation,
-    time_graph,
+    seeded_weight,
+    time_bf16_linear,
     time_launches,
     time_linear,
 )
@@ -54,11 +55,10 @@ def main() -> None:
         "|---|---|---|---|---|---|" + "---|" * len(LAUNCHES) + "---|---|---|",
     ]  # fmt: skip
     for (n, k), rows_m in itertools.product(SHAPES, ROW_COUNTS):
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
         x = torch.randn(rows_m, k, device=dev, dtype=torch.bfloat16)
-        t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+        t_bf16 = time_bf16_linear(bf16, x)
         for scheme, kw in SCHEMES:
             p0 = quantize_weight(w, scheme, **kw)
             ps = rotation(p0)

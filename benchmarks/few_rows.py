@@ -15,7 +15,15 @@ import torch.nn.functional as F
 
 from qlens.kernels import choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.gemv import word_view
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rel_err,
+    rotation,
+    seeded_weight,
+    time_bf16_linear,
+    time_linear,
+)
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 
@@ -43,12 +51,11 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for n, k in SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
         for m in row_counts:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t_bf16 = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+            t_bf16 = time_bf16_linear(bf16, x)
             for scheme, kw in schemes:
                 p0 = quantize_weight(w, scheme, **kw)
                 ps = rotation(p0)

@@ -25,6 +25,7 @@ from qlens.kernels.timing import (
     header,
     publish,
     rotation,
+    seeded_weight,
     time_graph,
     time_linear,
 )
@@ -76,8 +77,7 @@ def _linear_rows() -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for n, k in SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k)
         count = copies_for(n * k)
         fp8 = [quantize_weight(w, "fp8-block")]
         fp8 += [clone_payload(fp8[0]) for _ in range(count - 1)]

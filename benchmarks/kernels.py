@@ -12,7 +12,15 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
-from qlens.kernels.timing import clone_payload, copies_for, header, publish, time_graph, time_linear
+from qlens.kernels.timing import (
+    clone_payload,
+    copies_for,
+    header,
+    publish,
+    seeded_weight,
+    time_graph,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
@@ -70,8 +78,7 @@ def _bench_batch(m, n, k, ws_bf16, fp8, w4):
 
 
 def bench_shape(n, k, m_values, rows):
-    torch.manual_seed(0)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = seeded_weight(n, k)
     copies = {}
 
     def weights(key, make, nbytes):
@@ -110,8 +117,7 @@ def _time_config(x, p, w8, cfg):
 def sweep():
     """Time candidate launches on the largest layer to pick the H200 table."""
     n, k = 28672, 8192
-    torch.manual_seed(0)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = seeded_weight(n, k)
     p4 = quantize_weight(w, "int4", group_size=128)
     p8 = quantize_weight(w, "fp8-block")
     lines = [
@@ -207,8 +213,7 @@ def sweep():
 def sweep_gemv():
     """Time GEMV launches for one row on the largest layer."""
     n, k = 28672, 8192
-    torch.manual_seed(0)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w = seeded_weight(n, k)
     payloads = {s: quantize_weight(w, s, **kw) for s, kw in (*W4_SCHEMES, ("fp8-block", {}))}
     del w
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -24,7 +24,16 @@ import torch.nn.functional as F
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rel_err,
+    rotation,
+    seeded_weight,
+    time_bf16_linear,
+    time_graph,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
@@ -94,16 +103,13 @@ def gemlite_layers(ps, n: int, k: int) -> list:
 def bench(sweep: bool, dev: torch.device) -> str:
     rows, checks, sweep_rows = [], [], []
     for n, k in SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
         payloads = {s: rotation(quantize_weight(w, s, **kw)) for s, kw in SCHEMES}
         layers = gemlite_layers(payloads["int4"], n, k)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            base = _safe(
-                "bf16", lambda x=x, b=bf16: time_graph([lambda t=t: F.linear(x, t) for t in b])
-            )
+            base = _safe("bf16", lambda x=x, b=bf16: time_bf16_linear(b, x))
             cfg = choose_config(m, n, k, dev)
             word_cfg = choose_config(m, n, k, dev, packed_words=True)
             cells = {}

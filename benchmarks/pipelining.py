@@ -20,7 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import header, publish, rel_err, rotation, time_graph, time_linear
+from qlens.kernels.timing import (
+    header,
+    publish,
+    rel_err,
+    rotation,
+    seeded_weight,
+    time_bf16_linear,
+    time_linear,
+)
 from qlens.quant.quantize import quantize_weight
 
 GEMV_SHAPES = ((28672, 8192), (4096, 4096), (14336, 4096))
@@ -38,11 +46,10 @@ def gemv_rows() -> list[str]:
         "|---|---|---|" + "---|" * (len(STAGES) + 3),
     ]  # fmt: skip
     for n, k in GEMV_SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w = seeded_weight(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         bf16 = rotation(w)
-        base = time_graph([lambda t=t, x=x: F.linear(x, t) for t in bf16])
+        base = time_bf16_linear(bf16, x)
         del bf16
         schemes = [(s, kw, WORD_LAUNCHES) for s, kw in WORD_SCHEMES]
         schemes.append(("fp8-block", {}, BYTE_LAUNCHES))

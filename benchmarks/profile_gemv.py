@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from qlens.kernels import LinearConfig, quantized_linear
+from qlens.kernels.timing import seeded_weight
 from qlens.quant.quantize import quantize_weight
 
 LAUNCHES = {
@@ -27,8 +28,7 @@ LAUNCHES = {
 
 def main() -> None:
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    w = torch.randn(28672, 8192, device=dev, dtype=torch.bfloat16) * 0.02
+    w = seeded_weight(28672, 8192, dev)
     p = quantize_weight(w, "int4", group_size=128)
     for name, (m, cfg) in LAUNCHES.items():
         x = torch.randn(m, 8192, device=dev, dtype=torch.bfloat16)

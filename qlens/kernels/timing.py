@@ -145,6 +145,20 @@ def rotation(first: torch.Tensor | QuantPayload) -> list:
     return [first] + [clone_payload(first) for _ in range(copies_for(first.nbytes) - 1)]
 
 
+def seeded_weight(n: int, k: int, device: torch.device | str = "cuda") -> torch.Tensor:
+    """The layer a kernel benchmark times: ``torch.manual_seed(0)``, then a bf16 ``[n, k]``
+    normal weight of standard deviation 0.02 (so the weight, and what is drawn after it,
+    repeat across runs)."""
+    torch.manual_seed(0)
+    return torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+
+
+def time_bf16_linear(weights: Sequence[torch.Tensor], x: torch.Tensor) -> float:
+    """``time_graph`` of ``F.linear(x, w)`` over ``weights`` (a ``rotation`` of one bf16
+    weight): the baseline every kernel benchmark compares with."""
+    return time_graph([functools.partial(torch.nn.functional.linear, x, w) for w in weights])
+
+
 def time_linear(
     payloads: Sequence[QuantPayload],
     x: torch.Tensor,
