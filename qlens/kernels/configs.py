@@ -66,7 +66,8 @@ INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
-# kernel; 4 x 2048 when there are at most 8 such programs per SM, gemv_tiles_h200.md); from 2
+# kernel; 4 x 2048 on 2 warps when there are at most 8 such programs per SM,
+# gemv_tiles_h200.md); from 2
 # up to 16 rows, tensor-core dots per code position over 64 x 256 tiles (the fastest of four
 # tiles for every scheme and benchmark layer, benchmarks/results/dot_operand_order_h200.md).
 # Other weights take the byte-wise GEMV for one row (16 x 512 tiles, loads pipelined 4 deep:
@@ -194,9 +195,10 @@ def choose_config(
             # the smaller 8B layers, and for MXFP4 / NVFP4 everywhere).
             cfg = replace(cfg, block_n=8, num_stages=3)
         elif ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
-            # Few one-row programs: each streams twice the K per step (gemv_tiles_h200.md: on
-            # 4096-row layers 1.00-1.20x faster for every 4-bit scheme; slower from 6144 rows).
-            cfg = replace(cfg, block_k=2048)
+            # Few one-row programs: two warps side by side stream twice the K per step
+            # (gemv_tiles_h200.md, 13:58: on the 4096-row layers 1.02-1.15x faster than one warp
+            # over the same K and 1.04-1.36x faster than 4 x 1024; slower from 6144 rows).
+            cfg = replace(cfg, block_k=2048, num_warps=2)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

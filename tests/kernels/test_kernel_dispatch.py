@@ -85,9 +85,9 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     word = choose_config(1, 28672, 8192, gpu, packed_words=True)
     byte = choose_config(1, 28672, 8192, gpu)
     assert (word.path, word.block_n, word.block_k, word.split_k) == ("gemv", 4, 1024, 1)
-    # Few one-row programs (up to 8 per SM) stream 2048 K per step.
+    # Few one-row programs (up to 8 per SM) stream 2048 K per step on two warps.
     few = choose_config(1, 4096, 14336, gpu, packed_words=True)
-    assert (few.block_n, few.block_k, few.num_warps, few.split_k) == (4, 2048, 1, 1)
+    assert (few.block_n, few.block_k, few.num_warps, few.split_k) == (4, 2048, 2, 1)
     assert choose_config(1, 6144, 4096, gpu, packed_words=True).block_k == 1024
     # int4 on large layers: 8 rows a program, loads pipelined 3 deep, unsplit.
     for n, k in ((28672, 8192), (28672, 4096), (4096, 14336)):
