@@ -1,9 +1,9 @@
 """W8A8 block FP8 at large M: activation quantization bandwidth and the whole linear against
 cuBLAS' blockwise FP8 GEMM alone and bf16 ``F.linear``.
 
-- activation quantization (bf16 -> e4m3 codes + float32 1 x 128 scales) for several rows per
-  program, in TB/s of bytes read and written, against the same-run copy ceiling; and the same
-  followed by the transposing copy of its scales that the row-major layout needed before the
+- activation quantization (bf16 -> e4m3 codes + float32 1 x 128 scales) for several programs
+  (rows x groups), in TB/s of bytes read and written, against the same-run copy ceiling; and
+  the same followed by the transposing copy of its scales that the row-major layout needed before the
   scales were written column-major;
 - ``quantized_linear(x, fp8-block weight, w8a8=True)`` (quantization + cuBLAS blockwise GEMM)
   against the GEMM alone on pre-quantized activations and against bf16.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, quantize_activations
+from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, ACT_QUANT_GROUPS, quantize_activations
 from qlens.kernels.timing import (
     clone_payload,
     copies_for,
@@ -32,16 +32,17 @@ from qlens.kernels.timing import (
 from qlens.quant.quantize import quantize_weight
 
 ACT_SHAPES = ((1024, 4096), (4096, 4096), (1024, 14336), (4096, 8192), (4096, 14336))
-BLOCK_MS = (16, 32, 64)
+# (rows, groups) per activation-quantization program
+ACT_LAUNCHES = ((16, 1), (32, 1), (16, 2), (16, 4), (32, 2), (32, 4), (8, 4), (16, 8))
 M_VALUES = (1024, 4096)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 
 
 def _act_quant_rows(copy_tbs: float) -> list[str]:
     rows = [
-        "| M x K | " + " | ".join(f"{b} rows us (TB/s)" for b in BLOCK_MS)
+        "| M x K | " + " | ".join(f"{b}x{g} us (TB/s)" for b, g in ACT_LAUNCHES)
         + " | default + scale transpose us | best % of copy |",
-        "|---|" + "---|" * (len(BLOCK_MS) + 2),
+        "|---|" + "---|" * (len(ACT_LAUNCHES) + 2),
     ]  # fmt: skip
     for m, k in ACT_SHAPES:
         nbytes = m * k * 3 + m * (k // 128) * 4
@@ -49,8 +50,10 @@ def _act_quant_rows(copy_tbs: float) -> list[str]:
             torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies_for(nbytes))
         ]
         times = {
-            b: time_graph([lambda x=x, b=b: quantize_activations(x, block_m=b) for x in xs])
-            for b in BLOCK_MS
+            (b, g): time_graph(
+                [lambda x=x, b=b, g=g: quantize_activations(x, block_m=b, groups=g) for x in xs]
+            )
+            for b, g in ACT_LAUNCHES
         }
         transposed = time_graph(
             [lambda x=x: quantize_activations(x)[1].contiguous() for x in xs]
@@ -106,9 +109,10 @@ def main() -> None:
     out = [
         header("qlens W8A8 block FP8 at large M"),
         "- copy ceiling: " + ", ".join(f"{name} {tbs:.2f} TB/s" for name, tbs in copies.items()),
-        f"- default rows per activation-quantization program: {ACT_QUANT_BLOCK_M}",
+        "- default activation-quantization program (rows x groups): "
+        f"{ACT_QUANT_BLOCK_M}x{ACT_QUANT_GROUPS}",
         "",
-        "## Activation quantization (bf16 in; e4m3 codes and float32 scales out)",
+        "## Activation quantization (bf16 in; e4m3 codes and float32 scales out; rows x groups)",
         "",
         *_act_quant_rows(copy_tbs),
         "",

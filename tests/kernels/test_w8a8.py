@@ -23,8 +23,9 @@ def test_activation_quant_is_bit_exact_over_all_magnitudes():
     assert codes.dtype == torch.float8_e4m3fn and scales.shape == (37, 3)
     assert scales.stride() == (1, 37)  # column-major: cuBLAS' blockwise layout, no copy needed
     assert torch.equal(scales, ref_scales)
-    for block_m in (16, 32):  # other rows per program give the same bits
-        again, again_scales = quantize_activations(x, 128, block_m=block_m)
+    # Other programs (rows x groups; 300 columns end in a partial group) give the same bits.
+    for block_m, groups in ((16, 1), (32, 2), (16, 4), (8, 8)):
+        again, again_scales = quantize_activations(x, 128, block_m=block_m, groups=groups)
         assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(again_scales, scales)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
