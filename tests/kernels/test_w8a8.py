@@ -23,6 +23,9 @@ def test_activation_quant_is_bit_exact_over_all_magnitudes():
     assert codes.dtype == torch.float8_e4m3fn and scales.shape == (37, 3)
     assert scales.stride() == (1, 37)  # column-major: cuBLAS' blockwise layout, no copy needed
     assert torch.equal(scales, ref_scales)
+    # Correctly rounded amax / 448 (not a multiplication by a rounded reciprocal).
+    amax = torch.nn.functional.pad(x, (0, 84)).abs().view(37, 3, 128).amax(-1).double()
+    assert torch.equal(ref_scales, torch.where(amax == 0, 1.0, amax / 448).float())
     # Other programs (rows x groups; 300 columns end in a partial group) give the same bits.
     for block_m, groups in ((16, 1), (32, 2), (16, 4), (8, 8)):
         again, again_scales = quantize_activations(x, 128, block_m=block_m, groups=groups)
