@@ -1,4 +1,5 @@
-"""Quantized linear kernels vs bf16 ``F.linear``, cuBLAS blockwise FP8 and dequantize-then-matmul.
+"""Quantized linear kernels vs bf16 ``F.linear``, cuBLAS blockwise FP8, gemlite (int4, group
+128, when installed) and dequantize-then-matmul.
 
 Run on a CUDA GPU: ``python benchmarks/kernels.py [--sweep] [--quick]``; prints markdown.
 """
@@ -9,6 +10,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from kernels_decode import gemlite_layers
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
@@ -47,7 +49,7 @@ def scaled_mm_gemm_only(a, a_s, w_fp8, w_scales):
     )
 
 
-def _bench_batch(m, n, k, ws_bf16, fp8, w4):
+def _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite):
     """Microseconds of every method at batch ``m``."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     res = {}
@@ -70,6 +72,10 @@ def _bench_batch(m, n, k, ws_bf16, fp8, w4):
     run("cublas_block+actq", [lambda p=p: scaled_mm_blockwise(x, p.data, p.scales) for p in fp8])
     for s, _ in W4_SCHEMES:
         run(s, [lambda p=p: quantized_linear(x, p) for p in w4[s]])
+    if gemlite:
+        run("gemlite_int4", [lambda layer=layer: layer(x) for layer in gemlite])
+    else:
+        res["gemlite_int4"] = float("nan")
     run(
         "int4_dequant+mm",
         [lambda p=p: F.linear(x, dequantize_triton(p, torch.bfloat16)) for p in w4["int4"]],
@@ -96,8 +102,9 @@ def bench_shape(n, k, m_values, rows):
         s: weights(s, lambda s=s, kw=kw: quantize_weight(w, s, **kw), n * k // 2)
         for s, kw in W4_SCHEMES
     }
+    gemlite = gemlite_layers(w4["int4"], n, k)
     for m in m_values:
-        res = _bench_batch(m, n, k, ws_bf16, fp8, w4)
+        res = _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite)
         cfg = choose_config(m, n, k, torch.device("cuda"))
         rows.append((m, n, k, cfg.path, res))
         print(
