@@ -1,9 +1,9 @@
 """Launch configurations: a small table tuned on the H200, safe defaults elsewhere.
 
 ``"gemv"`` streams the weight once for a few rows: one row in plain FMAs, and for packed 4-bit
-words up to 16 rows on tensor-core dots (``qlens.kernels.gemv``); the decode path (``"splitk"``)
-runs small M on tensor cores with narrow tiles and splits K over programs so a single token
-still fills the GPU; the ``"gemm"`` path runs large M with wide tensor-core tiles.
+words up to 32 rows (int4: 64) on tensor-core dots (``qlens.kernels.gemv``); the decode path
+(``"splitk"``) runs small M on tensor cores with narrow tiles and splits K over programs so a
+single token still fills the GPU; the ``"gemm"`` path runs large M with wide tensor-core tiles.
 ``"dequant"`` decodes the weight once with a Triton kernel and multiplies with cuBLAS;
 ``"cublas"`` (W8A8 only) quantizes activations with the Triton kernel and runs cuBLAS' blockwise
 FP8 GEMM when the shape allows it, else the Triton GEMM.
@@ -67,9 +67,11 @@ INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 # whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
 # warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
 # kernel; 4 x 2048 on 2 warps when there are at most 8 such programs per SM,
-# gemv_tiles_h200.md); from 2
-# up to 16 rows, tensor-core dots per code position over 64 x 256 tiles (the fastest of four
-# tiles for every scheme and benchmark layer, benchmarks/results/dot_operand_order_h200.md).
+# gemv_tiles_h200.md); from 2 up to 16 rows, tensor-core dots per code position over 64 x 256
+# tiles (the fastest of four tiles for every scheme and benchmark layer,
+# benchmarks/results/dot_operand_order_h200.md), and up to 32 rows (int4: 64) the same dots
+# with 32 rows a program (mid_rows_h200.md: 1.26-4.23x faster than the split-K kernel at 32
+# rows).
 # Other weights take the byte-wise GEMV for one row (16 x 512 tiles, loads pipelined 4 deep:
 # fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/pipelining_h200.md;
 # pipelining the word-wise one-row loop was slower) and the tensor-core split-K from 2 up to
@@ -81,9 +83,11 @@ INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (16, "gemv", 16, 64, 256, 4, 3),
-    (32, "splitk", 16, 128, 128, 4, 3),
+    (32, "gemv", 32, 64, 256, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
+# symmetric int4 in whole words keeps the packed GEMV's 32-row programs up to this many rows.
+INT4_PACKED_GEMV_MAX_M = 64
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 16, 512, 4, 4),
     (32, "splitk", 16, 128, 128, 4, 3),
@@ -188,6 +192,10 @@ def choose_config(
         if m <= max_m:
             cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
             break
+    if packed_words and h200 and int4 and 32 < m <= INT4_PACKED_GEMV_MAX_M:
+        # mid_rows_h200.md: at 64 rows 1.14-1.66x faster than dequantize + cuBLAS for int4
+        # (MXFP4 1.00-1.11x, NVFP4 slower); from 128 rows dequantize + cuBLAS wins.
+        cfg = LinearConfig("gemv", 32, 64, 256, num_warps=4, num_stages=3)
     if packed_words and h200 and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
             # int4 on large layers: 8 rows a program, loads pipelined 3 deep (gemv_tiles_h200.md:
@@ -196,9 +204,11 @@ def choose_config(
             cfg = replace(cfg, block_n=8, num_stages=3)
         elif ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
             # Few one-row programs: two warps side by side stream twice the K per step
-            # (gemv_tiles_h200.md, 13:58: on the 4096-row layers 1.02-1.15x faster than one warp
+            # (gemv_tiles_h200.md, 13:59: on the 4096-row layers 1.02-1.15x faster than one warp
             # over the same K and 1.04-1.36x faster than 4 x 1024; slower from 6144 rows).
             cfg = replace(cfg, block_k=2048, num_warps=2)
+    if cfg.path == "gemv" and cfg.block_m > 16:
+        return cfg  # 32-row programs: measured unsplit only (mid_rows_h200.md)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

@@ -143,6 +143,7 @@ WORD_LAUNCHES = (
     LinearConfig("gemv", 16, 128, 256, num_warps=8, split_k=2),
     LinearConfig("gemv", 16, 8, 4096, num_warps=4),
     LinearConfig("gemv", 16, 16, 1024, num_warps=1, split_k=2),
+    LinearConfig("gemv", 32, 64, 256),  # 32 rows a program (the 17-64-row launch)
 )
 
 
@@ -157,7 +158,7 @@ def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
     assert word_view(kernel_weight(p)) is not None
     weight = dequantize(p, torch.float64)
     bias = torch.randn(300, device="cuda").to(dtype)
-    for m in (1, 2, 4, 5, 16, 40):
+    for m in (1, 2, 4, 5, 16, 40, 64):
         x = torch.randn(m, 1024, device="cuda").to(dtype)
         ref = torch.nn.functional.linear(x.double(), weight, bias.double())
         for cfg in WORD_LAUNCHES:

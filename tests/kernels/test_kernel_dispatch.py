@@ -103,7 +103,14 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     sixteen = choose_config(16, 28672, 8192, gpu, packed_words=True)
     assert (sixteen.path, sixteen.block_n, sixteen.block_k) == ("gemv", 64, 256)
     assert choose_config(16, 28672, 8192, gpu).path == "splitk"
-    assert choose_config(32, 28672, 8192, gpu, packed_words=True).path == "splitk"
+    # 17-32 rows: 32-row programs on the packed GEMV; int4 keeps them up to 64 rows.
+    for m, int4 in ((17, False), (32, False), (33, True), (64, True)):
+        mid = choose_config(m, 28672, 8192, gpu, packed_words=True, int4=int4)
+        assert (mid.path, mid.block_m, mid.block_n, mid.block_k) == ("gemv", 32, 64, 256)
+        assert mid.split_k == 1  # as measured (mid_rows_h200.md)
+    assert choose_config(33, 28672, 8192, gpu, packed_words=True).path == "dequant"
+    assert choose_config(65, 28672, 8192, gpu, packed_words=True, int4=True).path == "dequant"
+    assert choose_config(32, 28672, 8192, gpu).path == "splitk"  # not packed words
     assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"
     # A small layer splits K until the grid covers the GPU, down to one long K step per split.
     small = choose_config(2, 4096, 4096, gpu, packed_words=True)
