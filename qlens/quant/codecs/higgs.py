@@ -16,12 +16,13 @@ rotated domain), then per row and per H-block ``W = V @ Had_H / sqrt(H)`` with t
 Hadamard matrix, cropped to K. For HIGGS' own quantizer the scale is constant over each H-block, so
 this equals ``Had(table values) / sqrt(H) * scale``.
 
-What is verified and what derived: there is no CPU implementation of FLUTE's decoder (a CUDA
-GEMM). The packing (2, 3 and 4 bits) equals FLUTE's own pure-torch packers exactly
-(``tests/quant/test_higgs_flute_oracle.py``); the pairing of ``tables2`` with consecutive rows, the
-code split ``(code >> b, code & mask)`` and the Hadamard convention follow transformers'
-``quantize_with_higgs`` and FLUTE's ``prepare_data``, and are checked against that quantize ->
-dequantize math in float64, not against the CUDA kernel.
+What is verified and what derived (``tests/quant/test_higgs_flute_oracle.py``): FLUTE's decoder
+is a CUDA GEMM, but its own test pins it bit for bit to a plain-torch reference,
+``vector_dequantize_higgs`` (HIGGS vector codes and scales to the rotated-domain weight). The
+packing (2, 3 and 4 bits) equals FLUTE's pure-torch packers exactly, and HIGGS codes and scales
+packed that way decode here to that reference's values exactly (p = 1 and 2). The Hadamard
+convention (Sylvester order, ``1 / sqrt(H)``) follows transformers' ``quantize_with_higgs`` and
+is checked against that quantize -> dequantize math in float64, not against a library.
 """
 
 from __future__ import annotations
