@@ -7,24 +7,8 @@ is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
 
 from __future__ import annotations
 
-import itertools
-
-import torch
-import torch.nn.functional as F
-
-from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.configs import choose_config
-from qlens.kernels.timing import (
-    header,
-    publish,
-    rel_err,
-    rotation,
-    seeded_weight,
-    time_bf16_linear,
-    time_launches,
-    time_linear,
-)
-from qlens.quant.quantize import quantize_weight
+from qlens.kernels import LinearConfig
+from qlens.kernels.timing import header, launch_sweep, publish
 
 ROW_COUNTS = (16, 4)
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
@@ -39,50 +23,14 @@ LAUNCHES = (
     (32, 512, 4, 3, 4),
     (32, 256, 4, 3, 2),
 )
-
-
-def _label(launch: tuple[int, int, int, int, int]) -> str:
-    bn, bk, warps, stages, split = launch
-    return f"{bn}x{bk} w{warps} st{stages} s{split}"
+CONFIGS = tuple(
+    LinearConfig("gemv", 16, bn, bk, split, num_warps=warps, num_stages=stages)
+    for bn, bk, warps, stages, split in LAUNCHES
+)
 
 
 def main() -> None:
-    dev = torch.device("cuda")
-    rows = [
-        "| N x K | scheme | M | bf16 us | dispatcher's launch | its us | "
-        + " | ".join(_label(la) for la in LAUNCHES)
-        + " | best vs bf16 | best vs dispatcher | worst rel. err |",
-        "|---|---|---|---|---|---|" + "---|" * len(LAUNCHES) + "---|---|---|",
-    ]  # fmt: skip
-    for (n, k), rows_m in itertools.product(SHAPES, ROW_COUNTS):
-        w = seeded_weight(n, k, dev)
-        bf16 = rotation(w)
-        x = torch.randn(rows_m, k, device=dev, dtype=torch.bfloat16)
-        t_bf16 = time_bf16_linear(bf16, x)
-        for scheme, kw in SCHEMES:
-            p0 = quantize_weight(w, scheme, **kw)
-            ps = rotation(p0)
-            exact = F.linear(x.float(), dequantize_triton(p0, torch.float32)).double()
-            chosen = choose_config(rows_m, n, k, dev, packed_words=True, int4=scheme == "int4")
-            t_chosen = time_linear(ps, x, chosen)
-            configs = [
-                LinearConfig("gemv", 16, bn, bk, split, num_warps=warps, num_stages=stages)
-                for bn, bk, warps, stages, split in LAUNCHES
-            ]
-            times, worst = time_launches(ps, x, configs, exact)
-            worst = max(worst, rel_err(quantized_linear(x, p0, config=chosen), exact))
-            best = min([t_chosen, *(t for t in times if t == t)])
-            label = _label((chosen.block_n, chosen.block_k, chosen.num_warps, chosen.num_stages,
-                            chosen.split_k))  # fmt: skip
-            rows.append(
-                f"| {n} x {k} | {scheme} | {rows_m} | {t_bf16:.1f} | {label} | {t_chosen:.1f} | "
-                + " | ".join(f"{t:.1f}" for t in times)
-                + f" | {t_bf16 / best:.2f}x | {t_chosen / best:.2f}x | {worst:.1e} |"
-            )
-            print(rows[-1], flush=True)
-            del ps
-        del bf16
-        torch.cuda.empty_cache()
+    rows = launch_sweep(SHAPES, ROW_COUNTS, SCHEMES, CONFIGS)
     publish(header("Packed tensor-core GEMV at 16 and 4 rows") + "\n".join(rows),
             "dot_gemv_tiles_h200.md")  # fmt: skip
 

@@ -22,6 +22,20 @@ def supports(payload: QuantPayload, device: torch.device | str) -> bool:
     )
 
 
+def default_config(
+    payload: QuantPayload, m: int, device: torch.device, *, w8a8: bool = False
+) -> LinearConfig:
+    """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``."""
+    from qlens.kernels.gemv import word_view
+
+    w = kernel_weight(payload)
+    words = not w8a8 and word_view(w) is not None
+    # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a thread
+    # (168 without; local sm_90 compile) and was not measured.
+    int4 = w.family == INT4 and w.zeros is None
+    return choose_config(m, w.n, w.k, device, w8a8=w8a8, packed_words=words, int4=int4)
+
+
 def quantized_linear(
     x: Float[Tensor, "*batch k"],
     payload: QuantPayload,
@@ -36,7 +50,7 @@ def quantized_linear(
     the result matches ``reference_linear`` up to the matmul's rounding. ``w8a8=True`` (fp8_block
     only) also quantizes the activations per token and K block to FP8 and runs an FP8 tensor-core
     GEMM; it matches ``reference_w8a8_linear``. ``config`` overrides the launch the dispatcher
-    would choose (``choose_config``). Runs on CUDA devices, or on the CPU under
+    would choose (``default_config``). Runs on CUDA devices, or on the CPU under
     ``TRITON_INTERPRET=1``; elsewhere use ``qlens.kernels.reference_linear``.
     """
     require_kernel_device(x.device)
@@ -68,13 +82,7 @@ def quantized_linear(
     if m == 0:
         return x.new_empty((*lead, w.n))
     if config is None:
-        from qlens.kernels.gemv import word_view
-
-        words = not w8a8 and word_view(w) is not None
-        # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a
-        # thread (168 without; local sm_90 compile) and was not measured.
-        int4 = w.family == INT4 and w.zeros is None
-        config = choose_config(m, w.n, w.k, x.device, w8a8=w8a8, packed_words=words, int4=int4)
+        config = default_config(payload, m, x.device, w8a8=w8a8)
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 

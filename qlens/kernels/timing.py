@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import itertools
 import os
 import platform
 import sys
@@ -195,6 +196,64 @@ def time_launches(
             print(f"<!-- {cfg} failed: {str(err)[:200]} -->", flush=True)
             times.append(float("nan"))
     return times, worst
+
+
+def launch_label(cfg: LinearConfig) -> str:
+    """A launch in a table header: path, ``BLOCK_M x BLOCK_N x BLOCK_K``, warps, stages, splits."""
+    return (
+        f"{cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+        f"st{cfg.num_stages} s{cfg.split_k}"
+    )
+
+
+def launch_sweep(
+    shapes: Sequence[tuple[int, int]],
+    row_counts: Sequence[int],
+    schemes: Sequence[tuple[str, dict]],
+    configs: Sequence[LinearConfig],
+    device: torch.device | str = "cuda",
+) -> list[str]:
+    """Markdown table of each ``[n, k]`` layer, row count and weight-only scheme: bf16
+    ``F.linear``, the dispatcher's launch (``default_config``) and every launch of ``configs``,
+    in microseconds on weights streamed from memory, then the best speed-up over bf16 and over
+    the dispatcher, and the worst relative error of any launch against the float32 product with
+    the dequantized weight. Rows are printed as they are timed."""
+    from qlens.kernels.dequant import dequantize_triton
+    from qlens.kernels.dispatch import default_config, quantized_linear
+    from qlens.quant.quantize import quantize_weight
+
+    rows = [
+        "| N x K | scheme | M | bf16 us | dispatcher's launch | its us | "
+        + " | ".join(launch_label(cfg) for cfg in configs)
+        + " | best vs bf16 | best vs dispatcher | worst rel. err |",
+        "|---|---|---|---|---|---|" + "---|" * len(configs) + "---|---|---|",
+    ]
+    for (n, k), m in itertools.product(shapes, row_counts):
+        w = seeded_weight(n, k, device)
+        bf16 = rotation(w)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        t_bf16 = time_bf16_linear(bf16, x)
+        del bf16
+        for scheme, options in schemes:
+            p0 = quantize_weight(w, scheme, **options)
+            payloads = rotation(p0)
+            exact = torch.nn.functional.linear(x.float(), dequantize_triton(p0, torch.float32))
+            chosen = default_config(p0, m, torch.device(device))
+            t_chosen = time_linear(payloads, x, chosen)
+            times, worst = time_launches(payloads, x, configs, exact.double())
+            worst = max(worst, rel_err(quantized_linear(x, p0, config=chosen), exact))
+            best = min([t_chosen, *(t for t in times if t == t)])
+            name = scheme + "".join(f" {key}={value}" for key, value in options.items())
+            rows.append(
+                f"| {n} x {k} | {name} | {m} | {t_bf16:.1f} | {launch_label(chosen)} | "
+                f"{t_chosen:.1f} | " + " | ".join(f"{t:.1f}" for t in times)
+                + f" | {t_bf16 / best:.2f}x | {t_chosen / best:.2f}x | {worst:.1e} |"
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+            del payloads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

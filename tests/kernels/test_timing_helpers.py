@@ -52,3 +52,40 @@ def test_time_bf16_linear_times_f_linear_on_every_weight(monkeypatch):
         True,
         True,
     ]
+
+
+def test_launch_sweep_tables_every_layer_row_count_and_scheme(monkeypatch, capsys):
+    from qlens.kernels.dispatch import default_config
+
+    timed: list[int] = []
+
+    def one_call(fns, replays=20):
+        for fn in fns:
+            fn()
+        timed.append(len(fns))
+        return 4.0 if len(timed) % 2 else 2.0
+
+    monkeypatch.setattr(timing, "time_graph", one_call)
+    monkeypatch.setattr(timing, "copies_for", lambda nbytes: 2)  # two copies of each weight
+    configs = [LinearConfig("gemv", 16, 16, 128), LinearConfig("gemv", 16, 32, 256, num_warps=8)]
+    schemes = [("int4", {"group_size": 64}), ("mxfp4", {})]
+    rows = timing.launch_sweep([(48, 256)], (1, 3), schemes, configs, device="cpu")
+    assert rows[0].count("|") == 10 + len(configs)
+    assert timing.launch_label(configs[1]) == "gemv 16x32x256 w8 st3 s1"
+    assert "| gemv 16x16x128 w4 st3 s1 | gemv 16x32x256 w8 st3 s1 |" in rows[0]
+    body = [r.split(" | ") for r in rows[2:]]
+    assert [(r[0], r[1], r[2]) for r in body] == [
+        ("| 48 x 256", "int4 group_size=64", "1"), ("| 48 x 256", "mxfp4", "1"),
+        ("| 48 x 256", "int4 group_size=64", "3"), ("| 48 x 256", "mxfp4", "3"),
+    ]  # fmt: skip
+    from qlens.quant.quantize import quantize_weight
+
+    w = timing.seeded_weight(48, 256, "cpu")
+    chosen = default_config(quantize_weight(w, "int4", group_size=64), 3, torch.device("cpu"))
+    assert body[2][4] == timing.launch_label(chosen)  # the dispatcher's own launch
+    # Per row count: bf16 once, then the dispatcher and each launch per scheme, each over both
+    # copies of the weight.
+    assert timed == [2] * (2 * (1 + 2 * (1 + len(configs))))
+    assert all(float(r[-2].rstrip("x")) > 0 for r in body)
+    assert all(float(r[-1].rstrip(" |")) < 1e-2 for r in body)  # vs the fp32 product
+    assert capsys.readouterr().out.count("| 48 x 256 |") == 4  # printed as timed
