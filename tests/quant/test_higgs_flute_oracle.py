@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import math
 import sys
 import types
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch
 
 from qlens.quant.codecs.higgs import (
     dequantize_higgs,
-    hadamard_blocks,
     higgs_format,
     pack_flute,
     split_vector_codes,
@@ -103,9 +101,11 @@ def flute_reference_decoder():
 )  # fmt: skip
 def test_dequantize_equals_flutes_reference_decoder(flute_reference_decoder, bits, p, tile_p, n,
                                                     dtype):  # fmt: skip
-    """HIGGS vector codes and scales, packed for FLUTE, decode to FLUTE's reference values; the
-    Hadamard blocks that follow are qlens' own (checked against the Sylvester matrix in
-    ``test_higgs_codec.py``)."""
+    """HIGGS vector codes and scales, packed for FLUTE, decode to FLUTE's reference values
+    rotated by torchao's CPU Hadamard transform (``matmul_hadU_slow``, its stand-in on the CPU
+    for ``fast_hadamard_transform``, which transformers' HIGGS quantizer uses), bit for bit."""
+    from torchao.prototype.spinquant.hadamard_utils import matmul_hadU_slow
+
     k, group, hadamard_size = 256, 64, 128
     gen = torch.Generator().manual_seed(bits * 100 + p * 10 + n)
     codes = torch.randint(0, 1 << (bits * p), (n, k // p), generator=gen, dtype=torch.uint8)
@@ -123,5 +123,5 @@ def test_dequantize_equals_flutes_reference_decoder(flute_reference_decoder, bit
         layout={"packing": "flute", "tile_p": tile_p, "hadamard_size": hadamard_size},
         extras={"tables2": tables2_from_grid(grid, bits)},
     )
-    expected = hadamard_blocks(values, hadamard_size) / math.sqrt(hadamard_size)
+    expected = matmul_hadU_slow(values.reshape(-1, hadamard_size), 1, 1).reshape(n, k)
     assert torch.equal(dequantize_higgs(payload, torch.float32), expected)

@@ -20,9 +20,9 @@ What is verified and what derived (``tests/quant/test_higgs_flute_oracle.py``): 
 is a CUDA GEMM, but its own test pins it bit for bit to a plain-torch reference,
 ``vector_dequantize_higgs`` (HIGGS vector codes and scales to the rotated-domain weight). The
 packing (2, 3 and 4 bits) equals FLUTE's pure-torch packers exactly, and HIGGS codes and scales
-packed that way decode here to that reference's values exactly (p = 1 and 2). The Hadamard
-convention (Sylvester order, ``1 / sqrt(H)``) follows transformers' ``quantize_with_higgs`` and
-is checked against that quantize -> dequantize math in float64, not against a library.
+packed that way decode here to that reference's values rotated by torchao's CPU Hadamard
+transform (``matmul_hadU_slow``, its CPU stand-in for ``fast_hadamard_transform``, which
+transformers' ``quantize_with_higgs`` uses), bit for bit in float32 (p = 1 and 2).
 """
 
 from __future__ import annotations
