@@ -7,8 +7,6 @@ packer) and from random raw bytes, which reach every code, block scale and paddi
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -17,11 +15,19 @@ from qlens.kernels.dequant_bitnet import dequantize_bitnet_triton
 from qlens.kernels.dequant_bnb import dequantize_bnb_triton
 from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
 from qlens.kernels.runtime import interpreting
-from qlens.quant.codecs.bitnet import bitnet_format, pack_ternary
-from qlens.quant.codecs.bnb import BNB_INT8, bnb_4bit_format
+from qlens.quant.codecs.bitnet import bitnet_format
+from qlens.quant.codecs.bnb import BNB_INT8
 from qlens.quant.codecs.gguf import GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, gguf_format
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
+from qlens.quant.samples import (
+    gguf_payload,
+    random_bitnet,
+    random_bnb_4bit,
+    random_bnb_int8,
+    random_gguf,
+    seeded_generator,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGUF_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -42,67 +48,6 @@ def assert_bit_exact(payload: QuantPayload, kernel) -> None:
             assert torch.equal(got.view(_BITS_OF[dtype]), want), (dtype, check_values)
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# ---- payloads from random raw bytes (no oracle library needed: also used on the GPU) ----------
-
-
-def random_bnb_4bit(shape, blocksize: int, nested: bool, seed: int = 0) -> QuantPayload:
-    """Random codes, a random 16-entry map and random (optionally nested) absmax."""
-    gen = _gen(seed)
-    numel = math.prod(shape)
-    n_blocks = -(-numel // blocksize)
-    data = torch.randint(0, 256, (-(-numel // 2), 1), generator=gen, dtype=torch.uint8)
-    extras = {"code": torch.randn(16, generator=gen)}
-    layout: dict[str, object] = {"packing": "bitsandbytes"}
-    if nested:
-        scales = torch.randint(0, 256, (n_blocks,), generator=gen, dtype=torch.uint8)
-        extras["nested_absmax"] = torch.rand(-(-n_blocks // 256), generator=gen) * 3
-        extras["nested_code"] = torch.randn(256, generator=gen).sort().values
-        extras["nested_offset"] = torch.tensor(0.0371)
-        layout["nested_blocksize"] = 256
-    else:
-        scales = torch.rand(n_blocks, generator=gen) * 2
-    return QuantPayload(
-        bnb_4bit_format("nf4", blocksize), data, tuple(shape), scales, layout=layout, extras=extras
-    )
-
-
-def random_bnb_int8(n: int, k: int, seed: int = 0) -> QuantPayload:
-    gen = _gen(seed)
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scb = torch.rand(n, generator=gen) * 5
-    return QuantPayload(BNB_INT8, q, (n, k), scales=scb, layout={"packing": "bitsandbytes"})
-
-
-def _gguf_payload(data: torch.Tensor, ggml_type, shape, **extras) -> QuantPayload:
-    layout = {"packing": "gguf", "ggml_type": ggml_type.type_id}
-    return QuantPayload(gguf_format(ggml_type), data, tuple(shape), layout=layout, extras=extras)
-
-
-def random_gguf(ggml_type, shape, seed: int = 0) -> QuantPayload:
-    """Random blocks whose float16 ``d`` (and ``m``) are finite: normal, subnormal, signed."""
-    gen = _gen(seed)
-    *lead, cols = shape
-    n_blocks = math.prod(lead) * cols // 32
-    blocks = torch.randint(0, 256, (n_blocks, ggml_type.type_size), generator=gen)
-    blocks = blocks.to(torch.uint8)
-    n_halfs = 2 if ggml_type in (Q4_1, Q5_1) else 1
-    halfs = (torch.randn(n_blocks, n_halfs, generator=gen) * 0.01).to(torch.float16)
-    halfs[0, 0] = 3e-7  # a float16 subnormal
-    blocks[:, : 2 * n_halfs] = halfs.view(torch.uint8)
-    return _gguf_payload(blocks.reshape(*lead, -1), ggml_type, shape)
-
-
-def random_bitnet(shape, convention: str, scale_dtype=torch.float32, seed: int = 0, scale=0.8173):
-    """Random ternary weights packed by qlens' own packer (padding rows hold code 1)."""
-    ternary = torch.randint(-1, 2, shape, generator=_gen(seed))
-    scale = torch.tensor([scale], dtype=scale_dtype)
-    return QuantPayload(bitnet_format(convention), pack_ternary(ternary), shape, global_scale=scale)
-
-
 # ---- bitsandbytes ------------------------------------------------------------------------------
 
 
@@ -118,7 +63,7 @@ def test_bnb_4bit_from_bitsandbytes_is_bit_exact(quant_type, nested, shape, bloc
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     from qlens.quant.adopt.bnb import payload_from_bnb_4bit
 
-    weight = torch.randn(shape, generator=_gen(blocksize)) * 0.05
+    weight = torch.randn(shape, generator=seeded_generator(blocksize)) * 0.05
     packed, state = bnb_functional.quantize_4bit(
         weight, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested
     )
@@ -134,7 +79,7 @@ def test_bnb_4bit_random_codes_and_maps_are_bit_exact(nested):
 
 def test_bnb_int8_from_bitsandbytes_is_bit_exact():
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
-    weight = torch.randn(37, 70, generator=_gen(3))
+    weight = torch.randn(37, 70, generator=seeded_generator(3))
     q, scb, _ = bnb_functional.int8_vectorwise_quant(weight)
     payload = QuantPayload(BNB_INT8, q, (37, 70), scales=scb, layout={"packing": "bitsandbytes"})
     assert_bit_exact(payload, dequantize_bnb_triton)
@@ -159,7 +104,7 @@ def test_gguf_from_gguf_py_is_bit_exact(ggml_type):
     weight = np.random.default_rng(ggml_type.type_id).standard_normal((2, 5, 96))
     qtype = gguf.GGMLQuantizationType(ggml_type.type_id)
     packed = torch.from_numpy(gguf.quants.quantize(weight.astype(np.float32), qtype))
-    payload = _gguf_payload(packed, ggml_type, (2, 5, 96))
+    payload = gguf_payload(packed, ggml_type, (2, 5, 96))
     assert_bit_exact(payload, dequantize_gguf_triton)
     expected = torch.from_numpy(gguf.quants.dequantize(packed.numpy(), qtype))
     assert torch.equal(dequantize_gguf_triton(payload, torch.float32), expected)
@@ -172,8 +117,8 @@ def test_gguf_random_blocks_are_bit_exact(ggml_type):
 
 def test_gguf_input_permutation_is_applied():
     payload = random_gguf(Q4_1, (9, 96), seed=1)
-    perm = torch.randperm(96, generator=_gen(2))
-    permuted = _gguf_payload(payload.data, Q4_1, (9, 96), input_permutation=perm)
+    perm = torch.randperm(96, generator=seeded_generator(2))
+    permuted = gguf_payload(payload.data, Q4_1, (9, 96), input_permutation=perm)
     assert_bit_exact(permuted, dequantize_gguf_triton)
     plain = dequantize_gguf_triton(payload, torch.float32)
     assert torch.equal(dequantize_gguf_triton(permuted, torch.float32)[:, perm], plain)
@@ -205,7 +150,7 @@ def test_bitnet_negative_scale_gives_negative_zeros(convention):
 def test_bitnet_packed_by_transformers_is_bit_exact():
     from transformers.integrations import bitnet as hf_bitnet
 
-    ternary = torch.randint(-1, 2, (37, 70), generator=_gen(4)).to(torch.int8)
+    ternary = torch.randint(-1, 2, (37, 70), generator=seeded_generator(4)).to(torch.int8)
     packed = hf_bitnet.pack_weights(ternary.clone().to(torch.int16))  # pads rows with code 0
     scale = torch.tensor([2.5e-3])
     payload = QuantPayload(bitnet_format("divide"), packed, (37, 70), global_scale=scale)
@@ -275,7 +220,7 @@ def test_rejects_payloads_of_other_families():
         dequantize_bnb_triton(bitnet, torch.float32)
     with pytest.raises(ValueError, match="reads 'bitnet' payloads, not 'bnb_int8'"):
         dequantize_bitnet_triton(random_bnb_int8(4, 8), torch.float32)
-    k_quant = _gguf_payload(torch.zeros(1, Q4_K.type_size, dtype=torch.uint8), Q4_K, (1, 256))
+    k_quant = gguf_payload(torch.zeros(1, Q4_K.type_size, dtype=torch.uint8), Q4_K, (1, 256))
     with pytest.raises(ValueError, match="not 'gguf_q4_k'; use qlens.dequantize"):
         dequantize_gguf_triton(k_quant, torch.float32)
 
@@ -296,14 +241,14 @@ def test_rejects_malformed_payloads_like_the_codecs():
         dequantize_bnb_triton(nan_scales, torch.float32)
     gguf = random_gguf(Q4_0, (2, 64))
     with pytest.raises(ValueError, match="multiples of 32 weights, got 40"):
-        dequantize_gguf_triton(_gguf_payload(gguf.data, Q4_0, (2, 40)), torch.float32)
+        dequantize_gguf_triton(gguf_payload(gguf.data, Q4_0, (2, 40)), torch.float32)
     gguf.layout["ggml_type"] = Q4_1.type_id
     with pytest.raises(ValueError, match="layout\\['ggml_type'\\] says 3"):
         dequantize_gguf_triton(gguf, torch.float32)
     repeated = torch.zeros(64, dtype=torch.int64)
     with pytest.raises(ValueError, match="not a permutation"):
         dequantize_gguf_triton(
-            _gguf_payload(gguf.data, Q4_0, (2, 64), input_permutation=repeated), torch.float32
+            gguf_payload(gguf.data, Q4_0, (2, 64), input_permutation=repeated), torch.float32
         )
     bitnet = random_bitnet((8, 4), "divide")
     bitnet.global_scale = torch.zeros(1)
@@ -352,7 +297,7 @@ def test_kernels_are_bit_exact_on_gpu():
     tiny_scale = random_bitnet((301, 517), "divide")
     tiny_scale.global_scale = torch.tensor([1e-39])
     payloads.append((tiny_scale, dequantize_bitnet_triton))
-    perm = torch.randperm(544, generator=_gen(0))
+    perm = torch.randperm(544, generator=seeded_generator(0))
     permuted = random_gguf(Q5_1, (100, 544))
     permuted.extras["input_permutation"] = perm
     payloads.append((permuted, dequantize_gguf_triton))
