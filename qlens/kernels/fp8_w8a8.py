@@ -81,6 +81,9 @@ def quantize_activations(
         block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     if groups is None:
         groups = 4 if interpreting() else ACT_QUANT_GROUPS
+    for name, value in (("block_m", block_m), ("groups", groups)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two (a Triton tile size), got {value}")
     grid = (ceil_div(m, block_m), ceil_div(n_groups, groups))
     with on_device(x.device):
         _act_quant_kernel[grid](

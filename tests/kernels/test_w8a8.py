@@ -33,6 +33,8 @@ def test_activation_quant_is_bit_exact_over_all_magnitudes():
         assert torch.equal(again_scales, scales)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
     assert bool((scales[3] == 1).all())
+    with pytest.raises(ValueError, match="groups must be a power of two .* got 3"):
+        quantize_activations(x, 128, groups=3)
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: str(c[1]) or "fp32")
