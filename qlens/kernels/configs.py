@@ -61,6 +61,12 @@ SPLITK_MAX_M = 64
 GEMV_MAX_SPLIT = 4
 # One-row int4 GEMVs over at least this many weights take 8 x 1024 tiles pipelined 3 deep.
 INT4_LONG_TILE_WEIGHTS = 4096 * 14336
+# Packed 4-bit words take the packed GEMV up to this many rows on the H200; symmetric int4 keeps
+# that launch up to INT4_PACKED_GEMV_MAX_M rows (mid_rows_h200.md: at 64 rows
+# 1.14-1.66x faster than dequantize + cuBLAS for int4, MXFP4 0.80-1.11x, NVFP4 slower; from
+# 128 rows dequantize + cuBLAS wins).
+PACKED_GEMV_MAX_M = 32
+INT4_PACKED_GEMV_MAX_M = 64
 
 # H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
 # From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
@@ -83,11 +89,9 @@ INT4_LONG_TILE_WEIGHTS = 4096 * 14336
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (16, "gemv", 16, 64, 256, 4, 3),
-    (32, "gemv", 32, 64, 256, 4, 3),
+    (PACKED_GEMV_MAX_M, "gemv", 32, 64, 256, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
-# symmetric int4 in whole words keeps the packed GEMV's 32-row programs up to this many rows.
-INT4_PACKED_GEMV_MAX_M = 64
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 16, 512, 4, 4),
     (32, "splitk", 16, 128, 128, 4, 3),
@@ -188,14 +192,13 @@ def choose_config(
         table = _H200_PACKED_WORDS
     else:
         table = _H200_WEIGHT_ONLY if h200 else _DEFAULT_WEIGHT_ONLY
+    table_m = m
+    if packed_words and h200 and int4 and m <= INT4_PACKED_GEMV_MAX_M:
+        table_m = min(m, PACKED_GEMV_MAX_M)
     for max_m, path, bm, bn, bk, warps, stages in table:
-        if m <= max_m:
+        if table_m <= max_m:
             cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
             break
-    if packed_words and h200 and int4 and 32 < m <= INT4_PACKED_GEMV_MAX_M:
-        # mid_rows_h200.md: at 64 rows 1.14-1.66x faster than dequantize + cuBLAS for int4
-        # (MXFP4 1.00-1.11x, NVFP4 slower); from 128 rows dequantize + cuBLAS wins.
-        cfg = LinearConfig("gemv", 32, 64, 256, num_warps=4, num_stages=3)
     if packed_words and h200 and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
             # int4 on large layers: 8 rows a program, loads pipelined 3 deep (gemv_tiles_h200.md:
