@@ -13,10 +13,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels import choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.gemv import word_view
+from qlens.kernels import dequantize_triton, quantized_linear
+from qlens.kernels.dispatch import default_config
 from qlens.kernels.timing import (
     header,
+    launch_label,
     publish,
     rel_err,
     rotation,
@@ -24,7 +25,6 @@ from qlens.kernels.timing import (
     time_bf16_linear,
     time_linear,
 )
-from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
@@ -59,16 +59,12 @@ def main() -> None:
             for scheme, kw in schemes:
                 p0 = quantize_weight(w, scheme, **kw)
                 ps = rotation(p0)
-                words = word_view(kernel_weight(p0)) is not None
-                cfg = choose_config(m, n, k, dev, packed_words=words)
+                cfg = default_config(p0, m, dev)
                 t = time_linear(ps, x)
                 exact = F.linear(x.double(), dequantize_triton(p0, torch.float32).double())
                 err = rel_err(quantized_linear(x, p0), exact)
-                launch = (
-                    f"{cfg.path} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split {cfg.split_k}"
-                )
                 rows.append(
-                    f"| {n} x {k} | {scheme} | {m} | {launch} | {t_bf16:.1f} | {t:.1f} | "
+                    f"| {n} x {k} | {scheme} | {m} | {launch_label(cfg)} | {t_bf16:.1f} | {t:.1f} | "
                     f"{t_bf16 / t:.2f}x | {err:.1e} |"
                 )
                 print(rows[-1], flush=True)

@@ -240,7 +240,7 @@ def launch_sweep(
             exact = torch.nn.functional.linear(x.float(), dequantize_triton(p0, torch.float32))
             chosen = default_config(p0, m, torch.device(device))
             t_chosen = time_linear(payloads, x, chosen)
-            times, worst = time_launches(payloads, x, configs, exact.double())
+            times, worst = time_launches(payloads, x, configs, exact)
             worst = max(worst, rel_err(quantized_linear(x, p0, config=chosen), exact))
             best = min([t_chosen, *(t for t in times if t == t)])
             name = scheme + "".join(f" {key}={value}" for key, value in options.items())

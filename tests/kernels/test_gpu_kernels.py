@@ -150,7 +150,7 @@ WORD_LAUNCHES = (
 @pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
-    """The word-wise GEMV (FMAs up to 4 rows, tensor-core dots beyond) on whole-word rows."""
+    """The word-wise GEMV (FMAs for one row, tensor-core dots beyond) on whole-word rows."""
     from qlens.kernels.gemv import FMA_MAX_ROWS, WORD_GEMV_ENV, word_view
 
     monkeypatch.setenv(WORD_GEMV_ENV, "1")
