@@ -21,11 +21,13 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
+from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
+from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import WORD_GEMV_ENV
 from qlens.kernels.timing import (
     header,
+    launch_label,
     publish,
     rel_err,
     rotation,
@@ -110,29 +112,28 @@ def bench(sweep: bool, dev: torch.device) -> str:
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             base = _safe("bf16", lambda x=x, b=bf16: time_bf16_linear(b, x))
-            cfg = choose_config(m, n, k, dev)
-            word_cfg = choose_config(m, n, k, dev, packed_words=True)
             cells = {}
             for s, _ in SCHEMES:
                 ps = payloads[s]
                 ref = F.linear(x.float(), dequantize_triton(ps[0], torch.float32))
-                for label, on, c in (("byte", False, cfg), ("word", True, word_cfg)):
+                for label, on in (("byte", False), ("word", True)):
                     with word_gemv(on):
+                        c = default_config(ps[0], m, dev)
                         cells[f"{s} {label}"] = _safe(
                             f"{s} {label} {m}x{n}x{k}",
                             lambda ps=ps, x=x, c=c: time_linear(ps, x, c),
                         )
                         err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: rel_err(
                             quantized_linear(x, p, config=c), r))  # fmt: skip
-                    checks.append((f"{s} {label}", m, n, k, err))
+                    checks.append((f"{s} {label}", m, n, k, launch_label(c), err))
             if layers:
                 cells["gemlite int4"] = _safe(
                     "gemlite", lambda x=x, gs=layers: time_graph([lambda g=g: g(x) for g in gs])
                 )
                 ref = F.linear(x.float(), dequantize_triton(payloads["int4"][0], torch.float32))
-                checks.append(("gemlite int4", m, n, k, _safe("gemlite parity", lambda x=x, r=ref,
-                    g=layers[0]: rel_err(g(x), r))))  # fmt: skip
-            rows.append((m, n, k, cfg, word_cfg, base, cells))
+                checks.append(("gemlite int4", m, n, k, "its own", _safe("gemlite parity",
+                    lambda x=x, r=ref, g=layers[0]: rel_err(g(x), r))))  # fmt: skip
+            rows.append((m, n, k, base, cells))
             print(f"<!-- {m}x{n}x{k} bf16={base:.1f} {cells} -->", flush=True)
         if sweep and (n, k) == SHAPES[-1]:
             for (s, _), (m, bn, bk, warps) in itertools.product(SCHEMES, SWEEP):
@@ -157,15 +158,16 @@ def render(rows, checks, sweep_rows) -> str:
     out = [header("W4A16 decode on the H200"), "## Time (us) and speed-up over bf16 F.linear", ""]
     out += [
         "Each scheme on the byte-wise and the word-wise kernels, each on the dispatcher's launch "
-        "for it (M = 16: the word-wise GEMV on tensor cores, the byte-wise weight on split-K). "
+        "for it (listed in the parity table; M = 16: the word-wise GEMV on tensor cores, the "
+        "byte-wise weight on split-K). "
         "% of copy: the 4-bit weight and its scales streamed once, against "
         f"{COPY_TBPS} TB/s.",
         "",
-        "| M | N | K | launch byte / word | bf16 | int4 byte | int4 word | mxfp4 byte | mxfp4 word | "
+        "| M | N | K | bf16 | int4 byte | int4 word | mxfp4 byte | mxfp4 word | "
         "nvfp4 byte | nvfp4 word | gemlite int4 | best % of copy (int4 / mxfp4 / nvfp4) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m, n, k, cfg, wcfg, base, cells in rows:
+    for m, n, k, base, cells in rows:
         times = [_cell(cells[f"{s} {v}"], base) for s, _ in SCHEMES for v in ("byte", "word")]
         gl = _cell(cells["gemlite int4"], base) if "gemlite int4" in cells else "n/a"
         bw = [
@@ -173,10 +175,7 @@ def render(rows, checks, sweep_rows) -> str:
             for s, _ in SCHEMES
         ]
         shares = " / ".join(f"{100 * b / COPY_TBPS:.0f}%" for b in bw)
-        launch = " / ".join(
-            f"{c.path} {c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps}" for c in (cfg, wcfg)
-        )
-        out.append(f"| {m} | {n} | {k} | {launch} | {base:.1f} | " + " | ".join(times) +
+        out.append(f"| {m} | {n} | {k} | {base:.1f} | " + " | ".join(times) +
                    f" | {gl} | {shares} |")  # fmt: skip
     if sweep_rows:
         out += ["", f"## Word-wise GEMV sweep, {SHAPES[-1][0]} x {SHAPES[-1][1]}", ""]
@@ -189,8 +188,8 @@ def render(rows, checks, sweep_rows) -> str:
             for s, m, bn, bk, w, sp, us in sweep_rows
         ]
     out += ["", "## Parity: relative Frobenius error vs dequantize (fp32) + F.linear", ""]
-    out += ["| kernel | M | N | K | rel err |", "|---|---|---|---|---|"]
-    out += [f"| {s} | {m} | {n} | {k} | {e:.2e} |" for s, m, n, k, e in checks]
+    out += ["| kernel | M | N | K | launch | rel err |", "|---|---|---|---|---|---|"]
+    out += [f"| {s} | {m} | {n} | {k} | {c} | {e:.2e} |" for s, m, n, k, c, e in checks]
     return "\n".join(out)
 
 
