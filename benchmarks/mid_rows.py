@@ -1,7 +1,8 @@
-"""The packed 4-bit tensor-core GEMV at 32-256 rows: rows per program (one program streams its
-weight tile once for all of them), tile and warps, against bf16 ``F.linear`` and the
-dispatcher's launch (up to 2026-12-03 14:28 the split-K kernel to 32 rows, dequantize + cuBLAS
-beyond).
+"""The packed 4-bit tensor-core GEMV at 24-64 rows: 32 rows a program (one program streams its
+weight tile once for all of them) over 64- and 32-column tiles, unsplit and with K split 2 and
+4 ways, against bf16 ``F.linear`` and the dispatcher's launch. (Its 14:28 run on 2026-12-03
+compared 32-256 rows and 32-128 rows a program against the split-K kernel and dequantize +
+cuBLAS; ``mid_rows_h200.md`` keeps that table.)
 
 Run on a CUDA GPU: ``python benchmarks/mid_rows.py``; prints markdown and, when ``$OUT`` is set,
 writes it to ``$OUT/mid_rows_h200.md``.
@@ -12,26 +13,27 @@ from __future__ import annotations
 from qlens.kernels import LinearConfig
 from qlens.kernels.timing import header, launch_sweep, publish
 
-ROW_COUNTS = (32, 64, 128, 256)
+ROW_COUNTS = (24, 32, 48, 64)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)
 LAUNCHES = (
-    (32, 64, 256, 4, 3),
-    (64, 64, 256, 4, 3),
-    (64, 64, 128, 4, 3),
-    (64, 128, 128, 8, 3),
-    (128, 64, 128, 8, 3),
+    (32, 64, 256, 4, 3, 1),
+    (32, 64, 256, 4, 3, 2),
+    (32, 64, 256, 4, 3, 4),
+    (32, 32, 256, 4, 3, 1),
+    (32, 32, 256, 4, 3, 2),
+    (16, 64, 256, 4, 3, 2),
 )
 CONFIGS = tuple(
-    LinearConfig("gemv", bm, bn, bk, num_warps=warps, num_stages=stages)
-    for bm, bn, bk, warps, stages in LAUNCHES
+    LinearConfig("gemv", bm, bn, bk, split_k=splits, num_warps=warps, num_stages=stages)
+    for bm, bn, bk, warps, stages, splits in LAUNCHES
 )
 
 
 def main() -> None:
     rows = launch_sweep(SHAPES, ROW_COUNTS, SCHEMES, CONFIGS)
-    publish(header("Packed tensor-core GEMV at 32-256 rows") + "\n".join(rows),
+    publish(header("Packed tensor-core GEMV at 24-64 rows") + "\n".join(rows),
             "mid_rows_h200.md")  # fmt: skip
 
 
