@@ -25,8 +25,8 @@ from qlens.kernels.timing import (
     header,
     publish,
     seeded_weight,
-    time_eager,
     time_graph,
+    time_or_nan,
 )
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
@@ -69,19 +69,11 @@ def int4_plain(data: torch.Tensor, scales: torch.Tensor, group: int = 128) -> to
 PLAIN = {("fp8-block", ()): fp8_block_plain, ("int4", (("group_size", 128),)): int4_plain}
 
 
-def _time(fn, graph=True):
-    try:
-        return time_graph([fn], replays=10) if graph else time_eager(fn)
-    except (RuntimeError, ValueError, TypeError, AssertionError) as err:
-        print(f"<!-- failed: {str(err)[:300]} -->")
-        return float("nan")
-
-
 def best_tile(p, nbytes: int) -> tuple[DequantLaunch, float, list[str]]:
     """The fastest tile of ``SWEEP`` for payload ``p`` and a line per tile tried."""
     lines, best = [], (GPU_DEQUANT_LAUNCH, float("inf"))
     for tile in SWEEP:
-        t = _time(lambda p=p, tile=tile: dequantize_triton(p, torch.bfloat16, launch=tile))
+        t = time_or_nan(lambda p=p, tile=tile: dequantize_triton(p, torch.bfloat16, launch=tile))
         lines.append(f"{tile.block_n}x{tile.block_k} w{tile.num_warps}: {t:.1f} us "
                      f"({nbytes / t / 1e6:.2f} TB/s)")  # fmt: skip
         if t < best[1]:
@@ -158,15 +150,15 @@ def main():
         p = quantize_weight(w, scheme, **kw)
         nbytes = p.nbytes + w.numel() * 2
         exact = torch.equal(dequantize_triton(p, torch.bfloat16), dequantize(p, torch.bfloat16))
-        t = _time(lambda p=p: dequantize_triton(p, torch.bfloat16))
-        eager = _time(lambda p=p: dequantize(p, torch.bfloat16), graph=False)
-        comp = _time(lambda p=p: compiled(p, torch.bfloat16), graph=False)
+        t = time_or_nan(lambda p=p: dequantize_triton(p, torch.bfloat16))
+        eager = time_or_nan(lambda p=p: dequantize(p, torch.bfloat16), graph=False)
+        comp = time_or_nan(lambda p=p: compiled(p, torch.bfloat16), graph=False)
         plain_fn = PLAIN.get((scheme, tuple(kw.items())))
         bare = float("nan")
         if plain_fn is not None:
             plain = torch.compile(plain_fn, dynamic=False)
             exact = exact and torch.equal(plain(p.data, p.scales), dequantize(p, torch.bfloat16))
-            bare = _time(lambda p=p, f=plain: f(p.data, p.scales))
+            bare = time_or_nan(lambda p=p, f=plain: f(p.data, p.scales))
         tbs = nbytes / t / 1e6
         name = scheme + (" " + ",".join(f"{a}={b}" for a, b in kw.items()) if kw else "")
         best, best_t = GPU_DEQUANT_LAUNCH, t

@@ -136,9 +136,19 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     16 rows 4 splits beat the rule's 8 by 4-17% on the 4096-wide layers
     (``decode_splits_h200.md``). Several rows on the packed GEMV's tensor cores aim at four
     programs per SM: on the 28672-row layers the 448 unsplit programs of two per SM ran
-    1.03-1.19x slower than 2 splits at 4 and 16 rows (``dot_gemv_tiles_h200.md``).
+    1.03-1.19x slower than 2 splits at 4 and 16 rows (``dot_gemv_tiles_h200.md``). Its 32-row
+    programs (17-64 rows) double the split only while the grid stays within two programs per SM:
+    the 4096-row layers' 64 programs at 24-32 rows ran 1.3-1.8x faster at 4 splits, while the
+    14336-row layers' 224 ran 1.07-1.11x slower at 2 (``mid_rows_h200.md``, 2026-12-03 15:35).
     """
     sms = _sm_count(device)
+    if cfg.path == "gemv" and cfg.block_m > 16:
+        tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+        most = min(GEMV_MAX_SPLIT, ceil_div(k, cfg.block_k))
+        split = 1
+        while tiles * split * 2 <= 2 * sms and split * 2 <= most:
+            split *= 2
+        return split
     rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
     tiles = rows * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
@@ -210,8 +220,6 @@ def choose_config(
             # (gemv_tiles_h200.md, 13:59: on the 4096-row layers 1.02-1.15x faster than one warp
             # over the same K and 1.04-1.36x faster than 4 x 1024; slower from 6144 rows).
             cfg = replace(cfg, block_k=2048, num_warps=2)
-    if cfg.path == "gemv" and cfg.block_m > 16:
-        return cfg  # 32-row programs: measured unsplit only (mid_rows_h200.md)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
     return cfg

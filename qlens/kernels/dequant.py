@@ -1,6 +1,5 @@
 """GPU dequantize kernels: a qlens payload to a dense float matrix, bit-exact with the codecs."""
 
-from dataclasses import dataclass
 from typing import no_type_check
 
 import torch
@@ -9,16 +8,15 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.configs import require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.dequant_bitnet import BITNET_FORMATS, dequantize_bitnet_triton
 from qlens.kernels.dequant_bnb import BNB_FORMATS, dequantize_bnb_triton
 from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
+from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.weights import kernel_weight
-from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.payload import QuantPayload
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,11 +47,9 @@ def _dequant_kernel(
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # Consecutive programs fill one band of rows left to right: on the H200 this order is
-    # 1.03-1.09x faster than walking down the rows first (dequant_order_h200.md).
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    offs_n = (tl.program_id(0) // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = (tl.program_id(0) % k_tiles) * BLOCK_K
+    row_tile, k_tile = k_first_tile(K, BLOCK_K)
+    offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = k_tile * BLOCK_K
     if PACKED:
         even, odd = decode_packed_halves(
             data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
@@ -72,18 +68,6 @@ def _dequant_kernel(
         cast_out(w, out_ptr.dtype.element_ty, INTERPRET),
         mask=mask,
     )
-
-
-@dataclass(frozen=True)
-class DequantLaunch:
-    """Tile of one dequantize program: ``block_n`` rows by ``block_k`` columns."""
-
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        require_tile_sizes(block_n=self.block_n, block_k=self.block_k)
 
 
 # GPU default: the best tile overall of the sweep in benchmarks/results/dequant_h200.md (H200,
@@ -124,15 +108,16 @@ def dequantize_triton(
 
     Decoded by a Triton kernel, bit-exact with ``qlens.dequantize(payload, dtype)`` for the
     fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts, bitsandbytes NF4/FP4/int8,
-    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads. ``launch`` overrides the tile of the
-    qlens layouts (benchmarks sweep it); the library layouts keep their own kernels' tiles.
+    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads. ``launch`` overrides the default tile
+    (benchmarks sweep it); each library kernel's docstring says how it reads the tile.
     ``check_values=False`` skips the library layouts' checks of their values (non-finite
     scales, codes out of range: one device sync each), for payloads already checked.
     """
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
     if payload.format.name in _FORMAT_KERNELS:
-        return _FORMAT_KERNELS[payload.format.name](payload, dtype, check_values=check_values)
+        kernel = _FORMAT_KERNELS[payload.format.name]
+        return kernel(payload, dtype, launch=launch, check_values=check_values)
     if len(payload.shape) == 3:
         from qlens.quant.modules.expert_payloads import select_expert
 
@@ -145,7 +130,7 @@ def dequantize_triton(
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
     tile = launch or default_launch(w.n)
     block_n, block_k = tile.block_n, tile.block_k
-    grid = (ceil_div(w.n, block_n) * ceil_div(w.k, block_k),)
+    grid = k_first_grid(w.n, w.k, block_n, block_k)
     with on_device(out.device):
         _dequant_kernel[grid](
             *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),

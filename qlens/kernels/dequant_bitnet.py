@@ -3,8 +3,8 @@
 ``data`` is ``uint8 [R, ...]`` with ``R = ceil(N/4)``: bits ``[2i, 2i+1]`` of packed row ``r`` hold
 ``T[i*R + r] + 1``. Each program reads a tile of packed bytes once and writes its four output rows:
 ``W = T / weight_scale`` (correctly rounded division, as torch) or ``W = T * weight_scale``.
-A code 3 in a row that holds a weight is invalid: the kernel writes NaN there and flags it, and
-the call raises unless value checks are off.
+A code 3 in a row that holds a weight is invalid: the kernel writes NaN there (the only way a
+finite, non-zero scale gives NaN), and the value check raises on it unless checks are off.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -34,20 +35,21 @@ from qlens.quant.payload import QuantPayload
 BITNET_FORMATS = ("bitnet",)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONVENTIONS = ("divide", "multiply")
-# (packed rows, columns, warps) per program: few big tiles in the interpreter.
-GPU_TILE = (16, 256, 4)
-INTERPRETER_TILE = (32, 512, 4)
+# Packed rows x columns per program: few big tiles in the interpreter.
+GPU_LAUNCH = DequantLaunch(16, 256, 4)
+INTERPRETER_LAUNCH = DequantLaunch(32, 512, 4)
 
 
 @triton.jit
 @no_type_check
 def _bitnet_kernel(
-    data_ptr, scale_ptr, out_ptr, invalid_ptr, N, K, R, stride_r, stride_k,
+    data_ptr, scale_ptr, out_ptr, N, K, R, stride_r, stride_k,
     DIVIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Packed rows ``[BLOCK_R]`` x columns ``[BLOCK_K]`` -> the four output rows of each."""
-    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_tile, k_tile = k_first_tile(K, BLOCK_K)
+    offs_r = row_tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = k_tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_tile = (offs_r < R)[:, None] & (offs_k < K)[None, :]
     packed = tl.load(
         data_ptr + offs_r[:, None] * stride_r + offs_k[None, :] * stride_k, mask=in_tile, other=0
@@ -62,7 +64,6 @@ def _bitnet_kernel(
     else:
         plus, naught = one * scale, zero * scale
     nan = tl.full((1, 1), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    invalid = tl.zeros((BLOCK_R, BLOCK_K), tl.int32)
     for i in tl.static_range(4):
         code = (packed >> (2 * i)) & 3
         rows = i * R + offs_r
@@ -70,8 +71,6 @@ def _bitnet_kernel(
         w = tl.where(code == 2, plus, tl.where(code == 0, -plus, tl.where(code == 1, naught, nan)))
         out = cast_out(w, out_ptr.dtype.element_ty, INTERPRET)
         tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], out, mask=mask)
-        invalid = tl.maximum(invalid, (mask & (code == 3)).to(tl.int32))
-    tl.store(invalid_ptr, 1, mask=tl.max(invalid) > 0)
 
 
 def _weight_scale(payload: QuantPayload) -> Tensor:
@@ -86,10 +85,11 @@ def _weight_scale(payload: QuantPayload) -> Tensor:
     return scale.reshape(1).to(torch.float32)
 
 
-def _require_valid_values(payload: QuantPayload, scale: Tensor, invalid_codes: Tensor) -> None:
-    """The codec's errors for a non-finite or zero scale and for code 3; one device sync."""
+def _require_valid_values(payload: QuantPayload, scale: Tensor, out: Tensor) -> None:
+    """The codec's errors for a non-finite or zero scale and for code 3 (a NaN in ``out``
+    while the scale is finite and non-zero); one device sync."""
     finite, nonzero, codes_ok = torch.cat(
-        [torch.isfinite(scale), scale != 0, invalid_codes == 0]
+        [torch.isfinite(scale), scale != 0, ~torch.isnan(out).any().reshape(1)]
     ).tolist()
     if not finite:
         require_finite(
@@ -104,13 +104,20 @@ def _require_valid_values(payload: QuantPayload, scale: Tensor, invalid_codes: T
 
 
 def dequantize_bitnet_triton(
-    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16, *, check_values: bool = True
+    payload: QuantPayload,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    launch: DequantLaunch | None = None,
+    check_values: bool = True,
 ) -> Float[Tensor, "out *rest"]:
     """Dense weight of a ``bitnet`` payload (either scale convention), decoded by Triton.
 
     Bit-exact with ``qlens.dequantize(payload, dtype)`` for float32, bfloat16 and float16.
+    ``launch``: each program reads ``block_n`` packed rows (four output rows each) by
+    ``block_k`` columns (default ``GPU_LAUNCH``).
     ``check_values`` raises the codec's error for a non-finite or zero scale or a code 3 (one
-    device sync); ``False`` skips it (no sync) and a code 3 then decodes as NaN.
+    device sync and one read of the output); ``False`` skips it (no sync) and a code 3 then
+    decodes as NaN.
     """
     if payload.format.name not in BITNET_FORMATS:
         raise ValueError(
@@ -143,18 +150,17 @@ def dequantize_bitnet_triton(
         fix="4 ternary values per byte along out",
     )
     out = torch.empty(shape, dtype=dtype, device=payload.data.device)
-    invalid = torch.zeros(1, dtype=torch.int32, device=out.device)
     if out.numel():
         data = payload.data.reshape(packed_rows, -1)
         n, k = shape[0], data.shape[1]
-        block_r, block_k, warps = INTERPRETER_TILE if interpreting() else GPU_TILE
-        grid = (ceil_div(packed_rows, block_r), ceil_div(k, block_k))
+        tile = launch or (INTERPRETER_LAUNCH if interpreting() else GPU_LAUNCH)
+        grid = k_first_grid(packed_rows, k, tile.block_n, tile.block_k)
         with on_device(out.device):
             _bitnet_kernel[grid](
-                data, scale, out, invalid, n, k, packed_rows, data.stride(0), data.stride(1),
-                DIVIDE=convention == "divide", BLOCK_R=block_r, BLOCK_K=block_k,
-                INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=False,
+                data, scale, out, n, k, packed_rows, data.stride(0), data.stride(1),
+                DIVIDE=convention == "divide", BLOCK_R=tile.block_n, BLOCK_K=tile.block_k,
+                INTERPRET=interpreting(), num_warps=tile.num_warps, enable_fp_fusion=False,
             )  # fmt: skip
     if check_values:
-        _require_valid_values(payload, scale, invalid)
+        _require_valid_values(payload, scale, out)
     return out

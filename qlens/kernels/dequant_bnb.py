@@ -18,6 +18,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -36,10 +37,10 @@ BNB_4BIT_FORMATS = ("bnb_nf4", "bnb_fp4")
 BNB_FORMATS = (*BNB_4BIT_FORMATS, "bnb_int8")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT8_RECIPROCAL_C = tl.constexpr(INT8_RECIPROCAL)
-# Work per program (few big tiles in the interpreter): 4-bit (elements, warps) and int8
-# (rows, columns, warps).
-GPU_4BIT_TILE, INTERPRETER_4BIT_TILE = (2048, 8), (8192, 4)
-GPU_INT8_TILE, INTERPRETER_INT8_TILE = (32, 256, 4), (64, 512, 4)
+# Work per program (few big tiles in the interpreter). 4-bit weights are flat: a program
+# decodes block_n * block_k consecutive elements.
+GPU_4BIT_LAUNCH, INTERPRETER_4BIT_LAUNCH = DequantLaunch(16, 128, 8), DequantLaunch(64, 128, 4)
+GPU_INT8_LAUNCH, INTERPRETER_INT8_LAUNCH = DequantLaunch(32, 256, 4), DequantLaunch(64, 512, 4)
 
 
 @triton.jit
@@ -81,8 +82,9 @@ def _bnb_int8_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """A ``[BLOCK_N, BLOCK_K]`` tile of ``q * SCB[:, None] * (1/127)``."""
-    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_tile, k_tile = k_first_tile(K, BLOCK_K)
+    offs_n = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k_tile.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     q = tl.load(
         q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk, mask=mask, other=0
@@ -133,7 +135,9 @@ def _nested_extras(payload: QuantPayload, n_blocks: int) -> tuple[dict[str, Tens
     return tensors, nested_blocksize
 
 
-def _dequantize_4bit(payload: QuantPayload, dtype: torch.dtype, check_values: bool) -> Tensor:
+def _dequantize_4bit(
+    payload: QuantPayload, dtype: torch.dtype, launch: DequantLaunch | None, check_values: bool
+) -> Tensor:
     numel = payload.numel
     blocksize = int(payload.format.block[1])
     if blocksize not in BNB_BLOCKSIZES:
@@ -158,18 +162,20 @@ def _dequantize_4bit(payload: QuantPayload, dtype: torch.dtype, check_values: bo
     out = torch.empty(payload.shape, dtype=dtype, device=packed.device)
     if numel == 0:
         return out
-    block, warps = INTERPRETER_4BIT_TILE if interpreting() else GPU_4BIT_TILE
-    block = max(block, blocksize)
+    tile = launch or (INTERPRETER_4BIT_LAUNCH if interpreting() else GPU_4BIT_LAUNCH)
+    block = max(tile.block_n * tile.block_k, blocksize)  # whole absmax blocks
     with on_device(out.device):
         _bnb_4bit_kernel[(ceil_div(numel, block),)](
             packed.reshape(-1), floats["extra.code"], absmax, *statistics, out, numel,
             BLOCKSIZE=blocksize, NESTED=nested, NESTED_BLOCKSIZE=nested_blocksize, BLOCK=block,
-            INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=False,
+            INTERPRET=interpreting(), num_warps=tile.num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
 
-def _dequantize_int8(payload: QuantPayload, dtype: torch.dtype, check_values: bool) -> Tensor:
+def _dequantize_int8(
+    payload: QuantPayload, dtype: torch.dtype, launch: DequantLaunch | None, check_values: bool
+) -> Tensor:
     if len(payload.shape) != 2:
         raise ValueError(f"bnb_int8 payload shape must be [out, in], got {list(payload.shape)}")
     n, k = (int(s) for s in payload.shape)
@@ -180,23 +186,29 @@ def _dequantize_int8(payload: QuantPayload, dtype: torch.dtype, check_values: bo
     out = torch.empty((n, k), dtype=dtype, device=q.device)
     if out.numel() == 0:
         return out
-    block_n, block_k, warps = INTERPRETER_INT8_TILE if interpreting() else GPU_INT8_TILE
-    grid = (ceil_div(n, block_n), ceil_div(k, block_k))
+    tile = launch or (INTERPRETER_INT8_LAUNCH if interpreting() else GPU_INT8_LAUNCH)
     with on_device(out.device):
-        _bnb_int8_kernel[grid](
-            q, scb, out, n, k, q.stride(0), q.stride(1),
-            BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=interpreting(), num_warps=warps,
+        _bnb_int8_kernel[k_first_grid(n, k, tile.block_n, tile.block_k)](
+            q, scb, out, n, k, q.stride(0), q.stride(1), BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, INTERPRET=interpreting(), num_warps=tile.num_warps,
             enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
 
 def dequantize_bnb_triton(
-    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16, *, check_values: bool = True
+    payload: QuantPayload,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    launch: DequantLaunch | None = None,
+    check_values: bool = True,
 ) -> Float[Tensor, "..."]:
     """Dense weight of a ``bnb_nf4``/``bnb_fp4``/``bnb_int8`` payload, decoded by a Triton kernel.
 
     Bit-exact with ``qlens.dequantize(payload, dtype)`` for float32, bfloat16 and float16.
+    ``launch``: an int8 program decodes ``block_n`` rows by ``block_k`` columns; a 4-bit one
+    ``block_n * block_k`` consecutive elements of the flattened weight (at least one absmax
+    block). ``None`` takes ``GPU_INT8_LAUNCH`` / ``GPU_4BIT_LAUNCH``.
     ``check_values`` raises the codec's error for non-finite scales or maps (one device sync);
     ``False`` skips it (no sync: forward passes, CUDA graphs) and NaNs then flow into the weight.
     """
@@ -213,5 +225,5 @@ def dequantize_bnb_triton(
     require_kernel_device(payload.data.device)
     require_same_device(payload)
     if payload.format.name == "bnb_int8":
-        return _dequantize_int8(payload, dtype, check_values)
-    return _dequantize_4bit(payload, dtype, check_values)
+        return _dequantize_int8(payload, dtype, launch, check_values)
+    return _dequantize_4bit(payload, dtype, launch, check_values)

@@ -18,10 +18,10 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
-from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.gguf import (
     Q4_0,
     Q4_1,
@@ -42,9 +42,9 @@ _CODE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}
 _WITH_MIN = (Q4_1, Q5_1)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGML_BLOCK = 32
-# (rows, GGML blocks, warps) per program: few big tiles in the interpreter.
-GPU_TILE = (8, 16, 4)
-INTERPRETER_TILE = (32, 32, 4)
+# Rows x columns (whole GGML blocks) per program: few big tiles in the interpreter.
+GPU_LAUNCH = DequantLaunch(8, 512, 4)
+INTERPRETER_LAUNCH = DequantLaunch(32, 1024, 4)
 
 
 @triton.jit
@@ -76,8 +76,9 @@ def _gguf_kernel(
 ):  # fmt: skip
     """``BLOCK_N`` rows x ``BLOCKS`` GGML blocks, as ``[BLOCK_N, BLOCKS, 32 or 16]`` tiles."""
     HEADER: tl.constexpr = 4 if HAS_MIN else 2
-    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blocks = tl.program_id(1).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    row_tile, k_tile = k_first_tile(K, BLOCKS * 32)
+    offs_n = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = k_tile.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     mask = (offs_n < ROWS)[:, None, None] & (blocks < K // 32)[None, :, None]
     block_ptr = (
         data_ptr + offs_n[:, None, None] * stride_r + (blocks * TYPE_SIZE)[None, :, None] * stride_b
@@ -134,13 +135,19 @@ def _kernel_ggml_type(payload: QuantPayload) -> GgmlType:
 
 
 def dequantize_gguf_triton(
-    payload: QuantPayload, dtype: torch.dtype = torch.bfloat16, *, check_values: bool = True
+    payload: QuantPayload,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    launch: DequantLaunch | None = None,
+    check_values: bool = True,
 ) -> Float[Tensor, "*rows cols"]:
     """Dense weight of a GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 payload, decoded by a Triton kernel.
 
     Bit-exact with ``qlens.dequantize(payload, dtype)`` for float32, bfloat16 and float16.
-    ``check_values`` verifies that ``extras["input_permutation"]`` is a permutation (one device
-    sync); ``False`` trusts it (no sync).
+    ``launch``: each program decodes ``block_n`` rows by ``block_k`` columns (whole 32-weight
+    blocks, so at least 32; default ``GPU_LAUNCH``). ``check_values`` verifies that
+    ``extras["input_permutation"]`` is a permutation (one device sync); ``False`` trusts it (no
+    sync).
     """
     ggml_type = _kernel_ggml_type(payload)
     if dtype not in _OUT_DTYPES:
@@ -157,14 +164,20 @@ def dequantize_gguf_triton(
         return out
     rows = out.numel() // k
     data = payload.data.reshape(rows, -1)
-    block_n, blocks, warps = INTERPRETER_TILE if interpreting() else GPU_TILE
-    blocks = min(blocks, triton.next_power_of_2(k // GGML_BLOCK))
-    grid = (ceil_div(rows, block_n), ceil_div(k // GGML_BLOCK, blocks))
+    tile = launch or (INTERPRETER_LAUNCH if interpreting() else GPU_LAUNCH)
+    if tile.block_k < GGML_BLOCK:
+        raise ValueError(
+            f"a GGUF dequantize tile spans whole {GGML_BLOCK}-weight blocks: block_k must be at "
+            f"least {GGML_BLOCK}, got {tile.block_k}"
+        )
+    blocks = min(tile.block_k // GGML_BLOCK, triton.next_power_of_2(k // GGML_BLOCK))
+    grid = k_first_grid(rows, k, tile.block_n, blocks * GGML_BLOCK)
     with on_device(out.device):
         _gguf_kernel[grid](
             data, data if perm is None else perm, out, rows, k, data.stride(0), data.stride(1),
             TYPE_SIZE=ggml_type.type_size, CODE_BITS=_CODE_BITS[ggml_type],
-            HAS_MIN=ggml_type in _WITH_MIN, HAS_PERM=perm is not None, BLOCK_N=block_n,
-            BLOCKS=blocks, INTERPRET=interpreting(), num_warps=warps, enable_fp_fusion=False,
+            HAS_MIN=ggml_type in _WITH_MIN, HAS_PERM=perm is not None, BLOCK_N=tile.block_n,
+            BLOCKS=blocks, INTERPRET=interpreting(), num_warps=tile.num_warps,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return out

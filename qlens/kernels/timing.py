@@ -82,6 +82,17 @@ def time_eager(call: Callable[[], object], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def time_or_nan(call: Callable[[], object], graph: bool = True, replays: int = 10) -> float:
+    """``time_graph`` (or ``time_eager`` when ``graph`` is false) of ``call``; NaN, with an HTML
+    comment printed, where it fails (a peer that cannot run this input, a launch that does not
+    fit)."""
+    try:
+        return time_graph([call], replays=replays) if graph else time_eager(call)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as err:
+        print(f"<!-- failed: {str(err)[:300]} -->", flush=True)
+        return float("nan")
+
+
 def copies_for(nbytes: int, l2_bytes: int = 60 << 20, most: int = 16) -> int:
     """How many copies of an input of ``nbytes`` together exceed three times the L2 cache."""
     return max(1, min(most, -(-3 * l2_bytes // max(nbytes, 1))))

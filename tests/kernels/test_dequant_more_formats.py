@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from qlens.kernels.dequant import dequantize_triton
 from qlens.kernels.dequant_bitnet import dequantize_bitnet_triton
 from qlens.kernels.dequant_bnb import dequantize_bnb_triton
 from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
+from qlens.kernels.dequant_launch import DequantLaunch
 from qlens.kernels.runtime import interpreting
 from qlens.quant.codecs.bitnet import bitnet_format
 from qlens.quant.codecs.bnb import BNB_INT8
@@ -37,13 +39,13 @@ on_gpu = pytest.mark.skipif(
 )
 
 
-def assert_bit_exact(payload: QuantPayload, kernel) -> None:
+def assert_bit_exact(payload: QuantPayload, kernel, launch: DequantLaunch | None = None) -> None:
     """The kernel's output equals the codec's bit for bit (signed zeros included) per dtype,
     with and without value checks."""
     for dtype in DTYPES:
         want = dequantize(payload, dtype).view(_BITS_OF[dtype])
         for check_values in (True, False):
-            got = kernel(payload, dtype, check_values=check_values)
+            got = kernel(payload, dtype, launch=launch, check_values=check_values)
             assert got.dtype == dtype and got.shape == want.shape == torch.Size(payload.shape)
             assert torch.equal(got.view(_BITS_OF[dtype]), want), (dtype, check_values)
 
@@ -178,17 +180,38 @@ def test_bitnet_invalid_code_raises_but_padding_is_ignored():
 # ---- the GPU's tile shapes, run in the interpreter (several programs, ragged edges) -----------
 
 
-def test_gpu_tiles_are_bit_exact_in_the_interpreter(monkeypatch):
+def test_gpu_tiles_are_bit_exact_in_the_interpreter():
     from qlens.kernels import dequant_bitnet, dequant_bnb, dequant_gguf
 
-    monkeypatch.setattr(dequant_bnb, "INTERPRETER_4BIT_TILE", dequant_bnb.GPU_4BIT_TILE)
-    monkeypatch.setattr(dequant_bnb, "INTERPRETER_INT8_TILE", dequant_bnb.GPU_INT8_TILE)
-    monkeypatch.setattr(dequant_gguf, "INTERPRETER_TILE", dequant_gguf.GPU_TILE)
-    monkeypatch.setattr(dequant_bitnet, "INTERPRETER_TILE", dequant_bitnet.GPU_TILE)
-    assert_bit_exact(random_bnb_4bit((29, 301), 64, nested=True), dequantize_bnb_triton)
-    assert_bit_exact(random_bnb_int8(37, 300), dequantize_bnb_triton)
-    assert_bit_exact(random_gguf(Q5_1, (11, 544)), dequantize_gguf_triton)
-    assert_bit_exact(random_bitnet((70, 300), "divide"), dequantize_bitnet_triton)
+    nested = random_bnb_4bit((29, 301), 64, nested=True)
+    assert_bit_exact(nested, dequantize_bnb_triton, dequant_bnb.GPU_4BIT_LAUNCH)
+    assert_bit_exact(random_bnb_int8(37, 300), dequantize_bnb_triton, dequant_bnb.GPU_INT8_LAUNCH)
+    assert_bit_exact(random_gguf(Q5_1, (11, 544)), dequantize_gguf_triton, dequant_gguf.GPU_LAUNCH)
+    bitnet = random_bitnet((70, 300), "divide")
+    assert_bit_exact(bitnet, dequantize_bitnet_triton, dequant_bitnet.GPU_LAUNCH)
+
+
+# Programs in K-first order over several row and column tiles, with ragged edges both ways.
+SMALL_TILES = (DequantLaunch(4, 64, 1), DequantLaunch(16, 32, 2))
+
+
+@pytest.mark.parametrize("launch", SMALL_TILES, ids=str)
+def test_small_tiles_are_bit_exact_through_dequantize_triton(launch):
+    payloads = (
+        random_bnb_4bit((13, 160), 64, nested=False),
+        random_bnb_int8(21, 90),
+        random_gguf(Q4_1, (9, 160)),
+        random_gguf(Q8_0, (9, 96)),
+        random_bitnet((37, 70), "multiply"),
+    )
+    for payload in payloads:
+        got = dequantize_triton(payload, torch.float32, launch=launch)
+        assert torch.equal(got.view(torch.int32), dequantize(payload).view(torch.int32))
+
+
+def test_gguf_tiles_span_whole_blocks():
+    with pytest.raises(ValueError, match="block_k must be at least 32, got 16"):
+        dequantize_gguf_triton(random_gguf(Q8_0, (2, 64)), launch=DequantLaunch(4, 16))
 
 
 # ---- bad input ---------------------------------------------------------------------------------

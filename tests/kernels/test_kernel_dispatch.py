@@ -31,6 +31,8 @@ def test_config_validation():
 
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 8"):
         DequantLaunch(32, 8)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 4, got 2"):
+        DequantLaunch(2, 64)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
         LinearConfig("splitk", 16, 8, 64)
     narrow = LinearConfig("gemv", 16, 8, 64)  # the one-row FMA GEMV's tiles may be narrow...
@@ -107,7 +109,17 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     for m, int4 in ((17, False), (32, False), (33, True), (64, True)):
         mid = choose_config(m, 28672, 8192, gpu, packed_words=True, int4=int4)
         assert (mid.path, mid.block_m, mid.block_n, mid.block_k) == ("gemv", 32, 64, 256)
-        assert mid.split_k == 1  # as measured (mid_rows_h200.md)
+        assert mid.split_k == 1  # 448 or more programs: over two per SM already
+    # 32-row programs double the split while the grid stays within two programs per SM.
+    for m, n, k, splits in (
+        (24, 4096, 4096, 4),  # 64 programs -> 256
+        (32, 4096, 14336, 4),
+        (64, 4096, 14336, 2),  # two row tiles: 128 programs -> 256
+        (32, 14336, 4096, 1),  # 224 programs: doubling would make 448
+        (24, 4096, 512, 2),  # at most one split per K step
+    ):
+        mid = choose_config(m, n, k, gpu, packed_words=True, int4=True)
+        assert (mid.block_m, mid.split_k) == (32, splits), (m, n, k)
     assert choose_config(33, 28672, 8192, gpu, packed_words=True).path == "dequant"
     assert choose_config(65, 28672, 8192, gpu, packed_words=True, int4=True).path == "dequant"
     assert choose_config(32, 28672, 8192, gpu).path == "splitk"  # not packed words
