@@ -34,8 +34,8 @@ PAYLOADS: tuple[tuple[str, Callable[[], QuantPayload]], ...] = (
 SWEEP_2D = tuple(
     DequantLaunch(*t)
     for t in (
-        (8, 512, 4), (16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8), (8, 1024, 4),
-        (64, 256, 8), (16, 1024, 8), (4, 1024, 4), (4, 2048, 8), (4, 512, 2),
+        (16, 256, 4), (8, 512, 4), (4, 1024, 4), (4, 2048, 8), (4, 512, 2), (2, 1024, 2),
+        (2, 2048, 4), (1, 1024, 1), (1, 2048, 2), (1, 4096, 4), (2, 4096, 8),
     )
 )  # fmt: skip
 # bitsandbytes 4-bit is flat: block_n * block_k consecutive elements a program.

@@ -36,7 +36,7 @@ BITNET_FORMATS = ("bitnet",)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONVENTIONS = ("divide", "multiply")
 # Packed rows x columns per program: few big tiles in the interpreter.
-GPU_LAUNCH = DequantLaunch(16, 256, 4)
+GPU_LAUNCH = DequantLaunch(4, 1024, 4)
 INTERPRETER_LAUNCH = DequantLaunch(32, 512, 4)
 
 

@@ -49,14 +49,18 @@ def _bnb_4bit_kernel(
     data_ptr, code_ptr, absmax_ptr, nested_absmax_ptr, nested_code_ptr, nested_offset_ptr,
     out_ptr, numel,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK`` flattened elements (a whole number of absmax blocks) per program."""
+    """``BLOCK`` flattened elements (a whole number of absmax blocks) per program; ``EVEN``:
+    ``numel`` is a multiple of ``BLOCK`` (no masks, so the packed bytes load as wide vectors)."""
     HALF: tl.constexpr = BLOCK // 2
     BLOCKS: tl.constexpr = BLOCK // BLOCKSIZE
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs_byte = start // 2 + tl.arange(0, HALF)
-    packed = tl.load(data_ptr + offs_byte, mask=offs_byte < (numel + 1) // 2, other=0)
+    offs_byte = tl.program_id(0).to(tl.int64) * HALF + tl.arange(0, HALF)  # visibly aligned
+    if EVEN:
+        packed = tl.load(data_ptr + offs_byte)
+    else:
+        packed = tl.load(data_ptr + offs_byte, mask=offs_byte < (numel + 1) // 2, other=0)
     # Element 2j is byte j's high nibble, element 2j + 1 its low nibble.
     codes = tl.reshape(tl.join(packed >> 4, packed & 0xF), (BLOCK,)).to(tl.int32)
     values = tl.load(code_ptr + codes)
@@ -72,7 +76,11 @@ def _bnb_4bit_kernel(
         absmax = tl.load(absmax_ptr + blocks, mask=in_range, other=0.0)
     w = tl.reshape(tl.reshape(values, (BLOCKS, BLOCKSIZE)) * absmax[:, None], (BLOCK,))
     offs = start + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, cast_out(w, out_ptr.dtype.element_ty, INTERPRET), mask=offs < numel)
+    out = cast_out(w, out_ptr.dtype.element_ty, INTERPRET)
+    if EVEN:
+        tl.store(out_ptr + offs, out)
+    else:
+        tl.store(out_ptr + offs, out, mask=offs < numel)
 
 
 @triton.jit
@@ -168,6 +176,7 @@ def _dequantize_4bit(
         _bnb_4bit_kernel[(ceil_div(numel, block),)](
             packed.reshape(-1), floats["extra.code"], absmax, *statistics, out, numel,
             BLOCKSIZE=blocksize, NESTED=nested, NESTED_BLOCKSIZE=nested_blocksize, BLOCK=block,
+            EVEN=numel % block == 0,
             INTERPRET=interpreting(), num_warps=tile.num_warps, enable_fp_fusion=False,
         )  # fmt: skip
     return out

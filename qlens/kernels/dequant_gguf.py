@@ -43,7 +43,7 @@ _WITH_MIN = (Q4_1, Q5_1)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGML_BLOCK = 32
 # Rows x columns (whole GGML blocks) per program: few big tiles in the interpreter.
-GPU_LAUNCH = DequantLaunch(8, 512, 4)
+GPU_LAUNCH = DequantLaunch(4, 1024, 4)
 INTERPRETER_LAUNCH = DequantLaunch(32, 1024, 4)
 
 

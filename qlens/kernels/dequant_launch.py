@@ -14,15 +14,16 @@ from qlens.quant.codecs.checks import ceil_div
 
 @dataclass(frozen=True)
 class DequantLaunch:
-    """Tile of one dequantize program: ``block_n`` rows (a power of two >= 4) by ``block_k``
-    columns (>= 16), on ``num_warps`` warps. Each library kernel states how it reads the tile."""
+    """Tile of one dequantize program: ``block_n`` rows by ``block_k`` columns (powers of two,
+    ``block_k`` >= 16), on ``num_warps`` warps. Each library kernel states how it reads the
+    tile."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        require_tile_sizes(4, block_n=self.block_n)
+        require_tile_sizes(1, block_n=self.block_n)
         require_tile_sizes(block_k=self.block_k)
 
 

@@ -192,7 +192,7 @@ def test_gpu_tiles_are_bit_exact_in_the_interpreter():
 
 
 # Programs in K-first order over several row and column tiles, with ragged edges both ways.
-SMALL_TILES = (DequantLaunch(4, 64, 1), DequantLaunch(16, 32, 2))
+SMALL_TILES = (DequantLaunch(1, 64, 1), DequantLaunch(4, 64, 1), DequantLaunch(16, 32, 2))
 
 
 @pytest.mark.parametrize("launch", SMALL_TILES, ids=str)
