@@ -38,9 +38,10 @@ BNB_FORMATS = (*BNB_4BIT_FORMATS, "bnb_int8")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT8_RECIPROCAL_C = tl.constexpr(INT8_RECIPROCAL)
 # Work per program (few big tiles in the interpreter). 4-bit weights are flat: a program
-# decodes block_n * block_k consecutive elements.
-GPU_4BIT_LAUNCH, INTERPRETER_4BIT_LAUNCH = DequantLaunch(16, 128, 8), DequantLaunch(64, 128, 4)
-GPU_INT8_LAUNCH, INTERPRETER_INT8_LAUNCH = DequantLaunch(32, 256, 4), DequantLaunch(64, 512, 4)
+# decodes block_n * block_k consecutive elements. GPU tiles: the fastest of the H200 sweep
+# (dequant_library_h200.md), 8192 elements on 4 warps for 4-bit, 16 x 256 for int8.
+GPU_4BIT_LAUNCH, INTERPRETER_4BIT_LAUNCH = DequantLaunch(16, 512, 4), DequantLaunch(64, 128, 4)
+GPU_INT8_LAUNCH, INTERPRETER_INT8_LAUNCH = DequantLaunch(16, 256, 4), DequantLaunch(64, 512, 4)
 
 
 @triton.jit
