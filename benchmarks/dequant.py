@@ -21,6 +21,7 @@ import triton.language as tl
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
 from qlens.kernels.timing import (
+    ONE_CALL_TIMING,
     copy_bandwidths,
     header,
     publish,
@@ -130,7 +131,7 @@ def main():
     copies = copy_bandwidths()
     copy_tbs = max(copies.values())
     out = [
-        header("qlens dequantize kernels"),
+        header("qlens dequantize kernels", ONE_CALL_TIMING),
         "- copy bandwidth (read + write), the ceiling below is the fastest: "
         + ", ".join(f"{name} {tbs:.2f} TB/s" for name, tbs in copies.items())
         + f"; shape {SHAPE[0]} x {SHAPE[1]} -> bf16",

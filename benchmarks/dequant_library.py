@@ -16,7 +16,13 @@ import torch
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant_launch import DequantLaunch
-from qlens.kernels.timing import copy_bandwidths, header, publish, time_or_nan
+from qlens.kernels.timing import (
+    ONE_CALL_TIMING,
+    copy_bandwidths,
+    header,
+    publish,
+    time_or_nan,
+)
 from qlens.quant.codecs.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
@@ -62,7 +68,7 @@ def main() -> None:
     copies = copy_bandwidths()
     copy_tbs = max(copies.values())
     rows = [
-        header("qlens dequantize kernels, library layouts"),
+        header("qlens dequantize kernels, library layouts", ONE_CALL_TIMING),
         "- copy ceiling: " + ", ".join(f"{k} {v:.2f} TB/s" for k, v in copies.items())
         + f"; shape {N} x {K} -> bf16; the kernels skip their value checks (`check_values=False`)",
         "",

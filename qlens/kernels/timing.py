@@ -121,8 +121,18 @@ def copy_bandwidths(nbytes: int = 2 << 30) -> dict[str, float]:
     }
 
 
-def header(title: str) -> str:
-    """Markdown preamble: date, GPU, software versions and the exact command."""
+ROTATED_TIMING = (
+    "CUDA-graph replays (launch gaps excluded), inputs rotated across enough copies to exceed 3x "
+    "the L2 cache, each graph replayed for 50 ms before timing, median of 20 replays"
+)
+ONE_CALL_TIMING = (
+    "CUDA-graph replays of one call whose bytes exceed the L2 cache several times (launch gaps "
+    "excluded), each graph replayed for 50 ms before timing, median of 10 replays"
+)
+
+
+def header(title: str, timing: str = ROTATED_TIMING) -> str:
+    """Markdown preamble: date, GPU, software versions, the exact command and how it timed."""
     lines = [
         f"# {title}",
         "",
@@ -131,9 +141,7 @@ def header(title: str) -> str:
         f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
         f"Python {platform.python_version()}",
         f"- command: `python {' '.join(sys.argv)}`",
-        "- timing: CUDA-graph replays (launch gaps excluded), inputs rotated across enough "
-        "copies to exceed 3x the L2 cache, each graph replayed for 50 ms before timing, median "
-        "of 20 replays",
+        f"- timing: {timing}",
         "",
     ]
     return "\n".join(lines)
