@@ -3,8 +3,8 @@ Q4_0-Q8_0, BitNet) on random payloads of a 28672 x 8192 weight, against eager to
 ``torch.compile`` of the codec, as a share of the same-run copy ceiling (packed bytes read plus
 bf16 bytes written). ``--sweep`` also times every tile of the kernel's sweep list.
 
-Run on a CUDA GPU: ``python benchmarks/dequant_library.py [--sweep]``; prints markdown and, when
-``$OUT`` is set, writes it to ``$OUT/dequant_library_h200.md``.
+Run on a CUDA GPU: ``python benchmarks/dequant_library.py [--sweep] [--only NAME]``; prints
+markdown and, when ``$OUT`` is set, writes it to ``$OUT/dequant_library_h200.md``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def sweep_for(payload: QuantPayload) -> tuple[DequantLaunch, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tile of the sweep lists")
+    parser.add_argument("--only", default="", help="time only formats whose name contains this")
     args = parser.parse_args()
     copies = copy_bandwidths()
     copy_tbs = max(copies.values())
@@ -80,6 +81,8 @@ def main() -> None:
     sweeps = []
     compiled = torch.compile(dequantize, dynamic=False)
     for name, make in PAYLOADS:
+        if args.only not in name:
+            continue
         p = make().to("cuda")
         nbytes = p.nbytes + N * K * 2
         ref = dequantize(p, torch.bfloat16)

@@ -168,6 +168,29 @@ def test_bitnet_three_dims_and_tiny_scales_are_bit_exact():
     assert_bit_exact(payload, dequantize_bitnet_triton)
 
 
+@pytest.mark.parametrize(
+    "launch", [None, DequantLaunch(1, 32, 1), DequantLaunch(4, 16, 2)], ids=str
+)
+@pytest.mark.parametrize("shape", [(37, 68), (10, 4, 3), (5, 8)], ids=str)
+def test_bitnet_word_kernel_is_bit_exact(shape, launch):
+    """16-bit outputs of whole int32 words take the word-wise kernel (ragged words, rows and
+    packed rows; a last dimension of odd length); float32 and odd widths the byte-wise one."""
+    for convention in ("divide", "multiply"):
+        payload = random_bitnet(shape, convention, seed=len(shape))
+        payload.global_scale = -payload.global_scale  # signed zeros: 0 / negative = -0
+        assert_bit_exact(payload, dequantize_bitnet_triton, launch)
+
+
+def test_bitnet_word_kernel_writes_nan_for_code_three():
+    payload = random_bitnet((8, 12), "divide")
+    payload.data[1, 4] = 0b11_10_01_00  # rows 1, 3, 5, 7 of column 4: codes 0, 1, 2, 3
+    got = dequantize_bitnet_triton(payload, torch.bfloat16, check_values=False)
+    plus = (1 / payload.global_scale.float()).to(torch.bfloat16)
+    assert got[1, 4] == -plus and got[3, 4] == 0 and got[5, 4] == plus and got[7, 4].isnan()
+    with pytest.raises(ValueError, match="invalid 2-bit code 3"):
+        dequantize_bitnet_triton(payload, torch.bfloat16)
+
+
 def test_bitnet_invalid_code_raises_but_padding_is_ignored():
     payload = random_bitnet((6, 8), "multiply")  # R = 2: rows 6 and 7 are padding
     payload.data[1, 3] |= 0b11 << 6  # quarter 3 of packed row 1 = row 7: padding
@@ -312,14 +335,18 @@ def test_kernels_are_bit_exact_on_gpu():
         (random_bnb_4bit((30, 1000), 4096, nested=True), dequantize_bnb_triton),
         (random_bnb_int8(300, 517), dequantize_bnb_triton),
         *((random_gguf(t, (3, 100, 544)), dequantize_gguf_triton) for t in GGUF_TYPES),
-        (random_bitnet((301, 517), "divide"), dequantize_bitnet_triton),
-        (random_bitnet((301, 517), "multiply", torch.bfloat16), dequantize_bitnet_triton),
     ]
-    payloads.append((random_bitnet((301, 517), "multiply", scale=-0.37), dequantize_bitnet_triton))
-    payloads.append((random_bitnet((301, 517), "divide", scale=-0.37), dequantize_bitnet_triton))
-    tiny_scale = random_bitnet((301, 517), "divide")
-    tiny_scale.global_scale = torch.tensor([1e-39])
-    payloads.append((tiny_scale, dequantize_bitnet_triton))
+    for width in (517, 516):  # byte-wise kernel; word-wise for 16-bit outputs
+        payloads += [
+            (random_bitnet((301, width), "divide"), dequantize_bitnet_triton),
+            (random_bitnet((301, width), "multiply", torch.bfloat16), dequantize_bitnet_triton),
+            (random_bitnet((301, width), "multiply", scale=-0.37), dequantize_bitnet_triton),
+            (random_bitnet((301, width), "divide", scale=-0.37), dequantize_bitnet_triton),
+        ]
+        tiny_scale = random_bitnet((301, width), "divide")
+        tiny_scale.global_scale = torch.tensor([1e-39])
+        payloads.append((tiny_scale, dequantize_bitnet_triton))
+    payloads.append((random_bitnet((30, 4, 3), "divide"), dequantize_bitnet_triton))
     perm = torch.randperm(544, generator=seeded_generator(0))
     permuted = random_gguf(Q5_1, (100, 544))
     permuted.extras["input_permutation"] = perm
