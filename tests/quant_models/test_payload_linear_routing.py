@@ -90,9 +90,9 @@ def test_dequantized_linear_checks_values_once_per_payload(monkeypatch):
     seen: list[bool] = []
     kernel = dequant_module._FORMAT_KERNELS["gguf_q4_1"]
 
-    def spy(payload, dtype, *, check_values=True):
+    def spy(payload, dtype, *, launch=None, check_values=True):
         seen.append(check_values)
-        return kernel(payload, dtype, check_values=check_values)
+        return kernel(payload, dtype, launch=launch, check_values=check_values)
 
     monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", spy)
     payload = _q4_1(16, 64)
