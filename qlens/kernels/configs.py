@@ -138,8 +138,9 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     programs per SM: on the 28672-row layers the 448 unsplit programs of two per SM ran
     1.03-1.19x slower than 2 splits at 4 and 16 rows (``dot_gemv_tiles_h200.md``). Its 32-row
     programs (17-64 rows) double the split only while the grid stays within two programs per SM:
-    the 4096-row layers' 64 programs at 24-32 rows ran 1.3-1.8x faster at 4 splits, while the
-    14336-row layers' 224 ran 1.07-1.11x slower at 2 (``mid_rows_h200.md``, 2026-12-03 15:35).
+    the 4096-row layers' 64 programs at 24-32 rows ran 1.3-2.3x faster at 4 splits, the
+    14336-row layers' 224 ran 1.09-1.12x slower at 2, and the 28672-row layers' 448 ran
+    0.99-1.11x as fast at 2, left unsplit (``mid_rows_h200.md``, 2026-12-03 15:38).
     """
     sms = _sm_count(device)
     if cfg.path == "gemv" and cfg.block_m > 16:
