@@ -16,6 +16,7 @@ from qlens.kernels.experts import experts_linear
 from qlens.kernels.reference import reference_linear
 
 __all__ = [
+    "DequantLaunch",
     "LinearConfig",
     "choose_config",
     "dequantize_triton",
@@ -32,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from qlens.kernels.dequant import dequantize_triton
 
         return dequantize_triton
+    if name == "DequantLaunch":
+        from qlens.kernels.dequant_launch import DequantLaunch
+
+        return DequantLaunch
     raise AttributeError(f"module 'qlens.kernels' has no attribute {name!r}")
