@@ -1,5 +1,12 @@
 """Weight-only quantized linear (W4A16 / W8A16): the weight is decoded to the activation dtype
-inside the K loop and multiplied on tensor cores; small M splits K over programs."""
+inside the K loop and multiplied on tensor cores; small M splits K over programs.
+
+The ``gemm`` path of packed 4-bit weights computes ``W x^T``: the decoded weight is then the
+dots' left operand, which Hopper's tensor cores (``wgmma``) read from registers, so the decoded
+tile never goes through shared memory (a local sm_90 compile shows the packed bytes and the
+activations streamed by ``cp.async`` and no shared-memory store in the K loop). As the right
+operand, as on the other paths, each K step stores it there first.
+"""
 
 from typing import no_type_check
 
@@ -31,6 +38,16 @@ def _dot_acc(x, w, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 @no_type_check
+def _dot_left(w, xt, acc, INTERPRET: tl.constexpr):
+    """``acc + w @ xt`` with ``w`` float32 decoded weights ``[BN, BK]`` as the left operand."""
+    if INTERPRET or xt.dtype == tl.float32:
+        return tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w.to(xt.dtype), xt, acc)
+
+
+@triton.jit
+@no_type_check
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of program ``pid`` in grouped order: ``GROUP_M`` row tiles sweep the
     N tiles together, so the weight tiles they share stay in L2."""
@@ -50,7 +67,7 @@ def _weight_only_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, WEIGHT_LEFT: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -62,9 +79,25 @@ def _weight_only_kernel(
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_span
     k_end = tl.minimum(k_begin + k_span, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHT_LEFT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the transposed tile, W x^T
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if PACKED:
+        if WEIGHT_LEFT:  # packed 4-bit weights only
+            even, odd = decode_packed_halves(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                mask=m_mask[None, :] & ((offs_k < K)[:, None] | EVEN_K),
+                other=0.0,
+            )
+            w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+            acc = _dot_left(w, xt, acc, INTERPRET)
+        elif PACKED:
             w_even, w_odd = decode_packed_halves(
                 data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
                 FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
@@ -94,6 +127,8 @@ def _weight_only_kernel(
             )
             acc = _dot_acc(x, w, acc, INTERPRET)
 
+    if WEIGHT_LEFT:
+        acc = tl.trans(acc)
     store_tile(acc, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, stride_split,
                pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
@@ -118,7 +153,7 @@ def weight_only_linear(
             m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n, target.stride_split,
             **kernel_constants(w), HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-            EVEN_K=k % cfg.block_k == 0,
+            EVEN_K=k % cfg.block_k == 0, WEIGHT_LEFT=cfg.path == "gemm" and w.packed,
             GROUP_M=cfg.group_m, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
