@@ -15,18 +15,21 @@ from qlens.kernels.timing import header, launch_sweep, publish
 ROW_COUNTS = (64, 256, 1024, 4096)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
-# (activation rows, weight rows, K, warps, stages) per program.
+# (activation rows, weight rows, K, warps, stages, K splits) per program.
 LAUNCHES = (
-    (128, 128, 64, 8, 3),
-    (128, 128, 128, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 64, 128, 4, 4),
-    (64, 128, 128, 4, 3),
-    (64, 64, 128, 4, 3),  # more programs for the 4096-row layers at 64-256 rows
+    (128, 128, 64, 8, 3, 1),
+    (128, 128, 128, 8, 3, 1),
+    (256, 128, 64, 8, 3, 1),
+    (128, 64, 128, 4, 4, 1),
+    (64, 128, 128, 4, 3, 1),
+    # more programs for the 4096-row layers at 64-256 rows
+    (64, 64, 128, 4, 3, 1),
+    (64, 64, 128, 4, 3, 4),
+    (128, 128, 64, 8, 3, 4),
 )
 CONFIGS = tuple(
-    LinearConfig("gemm", bm, bn, bk, num_warps=warps, num_stages=stages)
-    for bm, bn, bk, warps, stages in LAUNCHES
+    LinearConfig("gemm", bm, bn, bk, split_k=splits, num_warps=warps, num_stages=stages)
+    for bm, bn, bk, warps, stages, splits in LAUNCHES
 )
 
 

@@ -143,7 +143,7 @@ def weight_only_linear(
     m, k = x.shape
     n = w.n
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = cfg.split_k if cfg.path == "splitk" else 1
+    split = cfg.split_k
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     target = split_target(out, split)
     bias_arg = bias if bias is not None else x

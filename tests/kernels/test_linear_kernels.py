@@ -19,6 +19,7 @@ PATHS = (
     LinearConfig("gemv", 16, 64, 128, split_k=2),  # one program per row, K split in two
     LinearConfig("splitk", 16, 32, 64, split_k=3),  # K split over 3 programs, ragged last split
     LinearConfig("gemm", 32, 16, 32, group_m=2),  # several M and N tiles, grouped ordering
+    LinearConfig("gemm", 16, 32, 64, split_k=2),  # the GEMM with K split (packed: W x^T)
 )
 
 
