@@ -143,16 +143,13 @@ def decode_packed_halves(
         BLOCK_N, HALF, GROUP_K // 2, BLOCK_K > GROUP_K,
     )  # fmt: skip
     if FAMILY == INT4_C:
-        # q - z without an int-to-float conversion (a low-throughput instruction): the float with
-        # bits 0x4B000000 | q is 2**23 + q exactly, and subtracting 2**23 + z is exact.
         if HAS_ZEROS:
             z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, GROUP_N, 0)
-            offset = _expand(z.to(tl.float32) + 8388608.0, BLOCK_N, HALF, GROUP_K // 2,
-                             BLOCK_K > GROUP_K)  # fmt: skip
+            z = _expand(z.to(tl.int32), BLOCK_N, HALF, GROUP_K // 2, BLOCK_K > GROUP_K)
         else:
-            offset = 8388616.0  # 2**23 + 8, the symmetric offset
-        even = (lo.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset
-        odd = (hi.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset
+            z = 8
+        even = (lo.to(tl.int32) - z).to(tl.float32)
+        odd = (hi.to(tl.int32) - z).to(tl.float32)
     else:
         even = e2m1_to_f32(lo)
         odd = e2m1_to_f32(hi)
