@@ -128,8 +128,8 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     for several rows'), keeping >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps
     are long and whose programs each stream one strip).
 
-    GEMV programs are counted as the packed 4-bit GEMV launches them (all rows, up to 16, in
-    one program); the byte-wise GEMV launches one per row, so its split errs towards more.
+    GEMV programs are counted as the packed 4-bit GEMV launches them (``BLOCK_M`` rows in one
+    program); the byte-wise GEMV launches one per row, so its split errs towards more.
     A single row's GEMV splits only below one program per SM, and no GEMV splits more than
     4 ways: on the H200 every split of the 8B decode layers was slower for one row (fp8-block
     on 4096 x 4096: 7.1 us unsplit, 8.9 us at the two splits the two-per-SM rule gave), and at
@@ -143,21 +143,17 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     0.99-1.11x as fast at 2, left unsplit (``mid_rows_h200.md``, 2026-12-03 15:38).
     """
     sms = _sm_count(device)
-    if cfg.path == "gemv" and cfg.block_m > 16:
-        tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-        most = min(GEMV_MAX_SPLIT, ceil_div(k, cfg.block_k))
-        split = 1
-        while tiles * split * 2 <= 2 * sms and split * 2 <= most:
-            split *= 2
-        return split
-    rows = ceil_div(m, 16) if cfg.path == "gemv" else ceil_div(m, cfg.block_m)
-    tiles = rows * ceil_div(n, cfg.block_n)
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
-    if cfg.path == "gemv":
-        wanted = sms if m == 1 else 4 * sms
-    else:
+    if cfg.path != "gemv":
         wanted = 2 * sms
+    elif cfg.block_m > 16:
+        wanted = sms + 1  # split while at most one program per SM: doubled, at most two
+    elif m == 1:
+        wanted = sms
+    else:
+        wanted = 4 * sms
     most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
     split = 1
     while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:
