@@ -9,7 +9,7 @@ import triton.language as tl
 from jaxtyping import Float, Float8e4m3fn
 from torch import Tensor
 
-from qlens.kernels.configs import LinearConfig
+from qlens.kernels.configs import LinearConfig, require_tile_sizes
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.launch import on_device
 from qlens.kernels.linear import grouped_tile
@@ -81,9 +81,7 @@ def quantize_activations(
         block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     if groups is None:
         groups = 4 if interpreting() else ACT_QUANT_GROUPS
-    for name, value in (("block_m", block_m), ("groups", groups)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two (a Triton tile size), got {value}")
+    require_tile_sizes(1, block_m=block_m, groups=groups)
     grid = (ceil_div(m, block_m), ceil_div(n_groups, groups))
     with on_device(x.device):
         _act_quant_kernel[grid](
