@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.timing import (
+    LAUNCH_ERRORS,
     header,
     publish,
     rel_err,
@@ -42,7 +43,7 @@ SPLITS = (1, 2, 4, 8, 16)
 def _time(ps, x, cfg, w8a8) -> float:
     try:
         return time_linear(ps, x, cfg, w8a8=w8a8)
-    except (RuntimeError, ValueError) as err:
+    except LAUNCH_ERRORS as err:
         print(f"<!-- {cfg} failed: {str(err)[:200]} -->", flush=True)
         return float("nan")
 

@@ -1,6 +1,6 @@
 """Dequantize kernels vs eager torch and torch.compile, as a share of copy bandwidth.
 
-Run on a CUDA GPU: ``python benchmarks/dequant.py [--sweep]``; prints markdown (and writes it to
+Run on a CUDA GPU: ``python benchmarks/dequant.py [--sweep] [--only int4]``; prints markdown (and writes it to
 ``$OUT/dequant.md`` when ``$OUT`` is set). Bandwidth counts the packed bytes read (data, scales,
 zeros) plus the bf16 bytes written. Peers: the codec in eager torch, the codec under
 ``torch.compile`` (which graph-breaks on its input validation), and for fp8-block and int4 the
@@ -127,6 +127,7 @@ def expand_ceilings(nbytes_out: int = 1 << 30) -> dict[str, float]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP")
+    parser.add_argument("--only", default="", help="time only schemes whose name contains this")
     args = parser.parse_args()
     copies = copy_bandwidths()
     copy_tbs = max(copies.values())
@@ -148,6 +149,9 @@ def main():
     w = seeded_weight(*SHAPE)
     compiled = torch.compile(dequantize, dynamic=False)
     for scheme, kw in SCHEMES:
+        name = scheme + (" " + ",".join(f"{a}={b}" for a, b in kw.items()) if kw else "")
+        if args.only not in name:
+            continue
         p = quantize_weight(w, scheme, **kw)
         nbytes = p.nbytes + w.numel() * 2
         exact = torch.equal(dequantize_triton(p, torch.bfloat16), dequantize(p, torch.bfloat16))
@@ -161,7 +165,6 @@ def main():
             exact = exact and torch.equal(plain(p.data, p.scales), dequantize(p, torch.bfloat16))
             bare = time_or_nan(lambda p=p, f=plain: f(p.data, p.scales))
         tbs = nbytes / t / 1e6
-        name = scheme + (" " + ",".join(f"{a}={b}" for a, b in kw.items()) if kw else "")
         best, best_t = GPU_DEQUANT_LAUNCH, t
         if args.sweep:
             best, best_t, lines = best_tile(p, nbytes)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import clone_payload, header, publish, time_graph
+from qlens.kernels.timing import LAUNCH_ERRORS, clone_payload, header, publish, time_graph
 from qlens.quant.quantize import quantize_weight
 
 LAYERS = 32
@@ -44,7 +44,7 @@ def _step(layer_fns, x_in):
 def _timed(name, fns, x, replays):
     try:
         return time_graph([_step(fns, x)], replays=replays)
-    except (RuntimeError, ValueError) as err:
+    except LAUNCH_ERRORS as err:
         print(f"<!-- {name} failed: {str(err)[:300]} -->")
         return float("nan")
 

@@ -15,6 +15,7 @@ from typing import no_type_check
 import torch
 import triton
 import triton.language as tl
+from triton.errors import TritonError
 
 from qlens.kernels.configs import LinearConfig
 from qlens.quant.payload import QuantPayload
@@ -82,13 +83,18 @@ def time_eager(call: Callable[[], object], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+# What a launch that cannot run raises: a shape or tile the code rejects, a CUDA error, or Triton's
+# own (shared memory or registers exceeded, a compile failure).
+LAUNCH_ERRORS = (RuntimeError, ValueError, TritonError)
+
+
 def time_or_nan(call: Callable[[], object], graph: bool = True, replays: int = 10) -> float:
     """``time_graph`` (or ``time_eager`` when ``graph`` is false) of ``call``; NaN, with an HTML
     comment printed, where it fails (a peer that cannot run this input, a launch that does not
     fit)."""
     try:
         return time_graph([call], replays=replays) if graph else time_eager(call)
-    except (RuntimeError, ValueError, TypeError, AssertionError) as err:
+    except (*LAUNCH_ERRORS, TypeError, AssertionError) as err:
         print(f"<!-- failed: {str(err)[:300]} -->", flush=True)
         return float("nan")
 
@@ -211,7 +217,7 @@ def time_launches(
         try:
             times.append(time_linear(payloads, x, cfg))
             worst = max(worst, rel_err(quantized_linear(x, payloads[0], config=cfg), exact))
-        except (RuntimeError, ValueError) as err:
+        except LAUNCH_ERRORS as err:
             print(f"<!-- {cfg} failed: {str(err)[:200]} -->", flush=True)
             times.append(float("nan"))
     return times, worst
