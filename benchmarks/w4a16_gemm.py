@@ -3,8 +3,9 @@ operand) at 64-4096 rows: a launch sweep against bf16 ``F.linear`` and the dispa
 (dequantize + cuBLAS from 33 rows, int4's packed GEMV to 64), with every launch checked against
 the float32 product.
 
-Run on a CUDA GPU: ``python benchmarks/w4a16_gemm.py [--schemes int4,mxfp4]``; prints markdown
-and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_h200.md``.
+Run on a CUDA GPU: ``python benchmarks/w4a16_gemm.py [--schemes int4,mxfp4] [--mid]``; prints
+markdown and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_h200.md`` (``--mid``:
+``$OUT/w4a16_mid_rows_h200.md``).
 """
 
 from __future__ import annotations
@@ -35,16 +36,39 @@ CONFIGS = tuple(
     LinearConfig("gemm", bm, bn, bk, split_k=splits, num_warps=warps, num_stages=stages)
     for bm, bn, bk, warps, stages, splits in LAUNCHES
 )
+# --mid: 33-64 rows, the 64-row GEMM tile at 1-8 K splits against the packed GEMV's 32-row
+# programs (which run two row tiles here) and dequantize + cuBLAS.
+MID_ROW_COUNTS = (40, 48, 64)
+MID_SCHEMES = (*SCHEMES, ("int4", {"group_size": 128, "asymmetric": True}))
+MID_CONFIGS = (
+    *(
+        LinearConfig("gemm", 64, 64, 128, split_k=s, num_warps=4, num_stages=3)
+        for s in (1, 2, 4, 8)
+    ),
+    LinearConfig("gemm", 64, 128, 128, split_k=2, num_warps=4, num_stages=3),
+    LinearConfig("gemv", 32, 64, 256, split_k=1, num_warps=4, num_stages=3),
+    LinearConfig("gemv", 32, 64, 256, split_k=2, num_warps=4, num_stages=3),
+    LinearConfig("dequant", 16, 16, 16),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", help="comma-separated subset of int4, mxfp4, nvfp4")
+    parser.add_argument("--mid", action="store_true", help="33-64 rows against the other paths")
     args = parser.parse_args()
-    schemes = [c for c in SCHEMES if args.schemes is None or c[0] in args.schemes.split(",")]
-    rows = launch_sweep(SHAPES, ROW_COUNTS, schemes, CONFIGS)
-    publish(header("Packed 4-bit GEMM path, weight as the left operand") + "\n".join(rows),
-            "w4a16_gemm_h200.md")  # fmt: skip
+    schemes = [
+        c
+        for c in (MID_SCHEMES if args.mid else SCHEMES)
+        if args.schemes is None or c[0] in args.schemes.split(",")
+    ]
+    if args.mid:
+        rows = launch_sweep(SHAPES, MID_ROW_COUNTS, schemes, MID_CONFIGS)
+        title, filename = "Packed 4-bit weights at 33-64 rows", "w4a16_mid_rows_h200.md"
+    else:
+        rows = launch_sweep(SHAPES, ROW_COUNTS, schemes, CONFIGS)
+        title, filename = "Packed 4-bit GEMM path, weight as the left operand", "w4a16_gemm_h200.md"
+    publish(header(title) + "\n".join(rows), filename)
 
 
 if __name__ == "__main__":

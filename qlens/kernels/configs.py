@@ -3,7 +3,8 @@
 ``"gemv"`` streams the weight once for a few rows: one row in plain FMAs, and for packed 4-bit
 words up to 32 rows (int4: 64) on tensor-core dots (``qlens.kernels.gemv``); the decode path
 (``"splitk"``) runs small M on tensor cores with narrow tiles and splits K over programs so a
-single token still fills the GPU; the ``"gemm"`` path runs large M with wide tensor-core tiles.
+single token still fills the GPU; the ``"gemm"`` path runs more rows over wider tensor-core tiles
+(on the H200, packed MXFP4 and NVFP4 words from 33 to 64 rows).
 ``"dequant"`` decodes the weight once with a Triton kernel and multiplies with cuBLAS;
 ``"cublas"`` (W8A8 only) quantizes activations with the Triton kernel and runs cuBLAS' blockwise
 FP8 GEMM when the shape allows it, else the Triton GEMM.
@@ -86,12 +87,19 @@ INT4_PACKED_GEMV_MAX_M = 64
 # batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS'
 # blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
 # benchmark shapes).
+# MXFP4 and NVFP4 from 33 to 64 rows take the GEMM path (W x^T, the decoded weight the tensor
+# cores' register operand) over 64 x 64 x 128 tiles with K split MID_ROWS_GEMM_SPLIT ways: at 64
+# rows 1.00-1.49x faster than dequantize + cuBLAS on the four benchmark layers
+# (w4a16_gemm_h200.md, 2026-12-03 17:10); from 65 rows dequantize + cuBLAS wins (the GEMM path
+# ran 0.5-0.7x as fast at 256 rows).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (16, "gemv", 16, 64, 256, 4, 3),
     (PACKED_GEMV_MAX_M, "gemv", 32, 64, 256, 4, 3),
+    (SPLITK_MAX_M, "gemm", 64, 64, 128, 4, 3),
     (1 << 62, "dequant", 16, 16, 16, 4, 3),
 )
+MID_ROWS_GEMM_SPLIT = 4
 _H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 16, 512, 4, 4),
     (32, "splitk", 16, 128, 128, 4, 3),
@@ -219,4 +227,8 @@ def choose_config(
             cfg = replace(cfg, block_k=2048, num_warps=2)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
+    elif cfg.path == "gemm" and table is _H200_PACKED_WORDS:
+        # Four K splits, each of at least four K steps.
+        steps = ceil_div(k, cfg.block_k)
+        cfg = replace(cfg, split_k=max(1, min(MID_ROWS_GEMM_SPLIT, steps // 4)))
     return cfg

@@ -80,6 +80,14 @@ SPLIT_LAUNCHES = (
     (("fp8-block", {}), True, 1, LinearConfig("splitk", 16, 64, 128, num_stages=4)),
     (("fp8-block", {}), True, 8, LinearConfig("splitk", 16, 64, 128)),
     (("mxfp4", {}), False, 20, LinearConfig("splitk", 16, 128, 128)),
+    (("mxfp4", {}), False, 48, LinearConfig("gemm", 64, 64, 128)),
+    (("nvfp4", {}), False, 64, LinearConfig("gemm", 64, 64, 128)),
+    (
+        ("int4", {"group_size": 128, "asymmetric": True}),
+        False,
+        40,
+        LinearConfig("gemm", 64, 64, 128),
+    ),
 )
 
 

@@ -120,7 +120,13 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     ):
         mid = choose_config(m, n, k, gpu, packed_words=True, int4=True)
         assert (mid.block_m, mid.split_k) == (32, splits), (m, n, k)
-    assert choose_config(33, 28672, 8192, gpu, packed_words=True).path == "dequant"
+    # MXFP4 / NVFP4 words from 33 to 64 rows: the GEMM path, K split 4 ways where each split
+    # keeps four K steps; from 65 rows dequantize + cuBLAS.
+    for m, k, splits in ((33, 8192, 4), (64, 4096, 4), (48, 1024, 2), (40, 384, 1)):
+        gemm = choose_config(m, 28672, k, gpu, packed_words=True)
+        assert (gemm.path, gemm.block_m, gemm.block_n, gemm.block_k) == ("gemm", 64, 64, 128)
+        assert gemm.split_k == splits, (m, k)
+    assert choose_config(65, 28672, 8192, gpu, packed_words=True).path == "dequant"
     assert choose_config(65, 28672, 8192, gpu, packed_words=True, int4=True).path == "dequant"
     assert choose_config(32, 28672, 8192, gpu).path == "splitk"  # not packed words
     assert choose_config(4096, 28672, 8192, gpu, packed_words=True).path == "dequant"
