@@ -260,7 +260,7 @@ def main():
         "",
         "## Time (us) and speed-up over bf16 F.linear (same run)",
         "",
-        "| M | N | K | path | " + " | ".join(names) + " |",
+        "| M | N | K | W8A16 path | " + " | ".join(names) + " |",
         "|---|---|---|---|" + "---|" * len(names),
     ]
     for m, n, k, path, res in rows:
