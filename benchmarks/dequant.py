@@ -1,12 +1,12 @@
 """Dequantize kernels vs eager torch and torch.compile, as a share of copy bandwidth.
 
-Run on a CUDA GPU: ``python benchmarks/dequant.py [--sweep] [--only int4]``; prints markdown (and writes it to
-``$OUT/dequant.md`` when ``$OUT`` is set). Bandwidth counts the packed bytes read (data, scales,
-zeros) plus the bf16 bytes written. Peers: the codec in eager torch, the codec under
-``torch.compile`` (which graph-breaks on its input validation), and for fp8-block and int4 the
-bare arithmetic written for ``torch.compile`` (no validation), the strongest torch baseline.
-``--sweep`` times every tile of ``SWEEP`` per scheme and reports the best. The copy ceiling is
-the fastest of three device copies measured in the same run (``timing.copy_bandwidths``).
+Run on a CUDA GPU: ``python benchmarks/dequant.py [--sweep] [--only int4]``; prints markdown (and
+writes it to ``$OUT/dequant.md`` when ``$OUT`` is set). Bandwidth counts the packed bytes read
+(data, scales, zeros) plus the bf16 bytes written. Peers: the codec in eager torch, the codec under
+``torch.compile`` (which graph-breaks on its input validation), and for fp8-block and int4 the bare
+arithmetic written for ``torch.compile`` (no validation), the strongest torch baseline. ``--sweep``
+times every tile of ``SWEEP`` per scheme and reports the best. The copy ceiling is the fastest of
+three device copies measured in the same run (``timing.copy_bandwidths``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The packed 4-bit ``gemm`` path (``W x^T``: the decoded weight is the tensor cores' register
 operand) at 64-4096 rows: a launch sweep against bf16 ``F.linear`` and the dispatcher's launch
-(dequantize + cuBLAS from 33 rows, int4's packed GEMV to 64), with every launch checked against
-the float32 product.
+(the packed GEMV to 32 rows, 64 for symmetric int4; this path from 33 to 64 rows for the
+others; dequantize + cuBLAS beyond), with every launch checked against the float32 product.
 
 Run on a CUDA GPU: ``python benchmarks/w4a16_gemm.py [--schemes int4,mxfp4] [--mid]``; prints
 markdown and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_h200.md`` (``--mid``:

@@ -87,12 +87,13 @@ INT4_PACKED_GEMV_MAX_M = 64
 # batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS'
 # blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
 # benchmark shapes).
-# MXFP4 and NVFP4 from 33 to 64 rows take the GEMM path (W x^T, the decoded weight the tensor
-# cores' register operand) over 64 x 64 x 128 tiles with K split MID_ROWS_GEMM_SPLIT ways: at 64
-# rows 0.99-1.43x as fast as dequantize + cuBLAS on the four benchmark layers
-# (w4a16_gemm_h200.md, 2026-12-03 17:10), and at 40-64 rows the fastest launch or within 5% of
-# it for MXFP4 and NVFP4 (w4a16_mid_rows_h200.md, 17:19); from 65 rows dequantize + cuBLAS
-# wins (the GEMM path's best launch was 1.09-1.83x slower at 256 rows).
+# MXFP4 and NVFP4 (and asymmetric int4, whose words take this table too) from 33 to 64 rows take
+# the GEMM path (W x^T, the decoded weight the tensor cores' register operand) over 64 x 64 x 128
+# tiles with K split MID_ROWS_GEMM_SPLIT ways: at 64 rows 0.99-1.43x as fast as dequantize +
+# cuBLAS on the four benchmark layers (w4a16_gemm_h200.md, 2026-12-03 17:10), and at 40-64 rows
+# the fastest launch or within 5% of it for MXFP4 and NVFP4 (w4a16_mid_rows_h200.md, 17:19); from
+# 65 rows dequantize + cuBLAS wins (the GEMM path's best launch was 1.09-1.83x slower at 256
+# rows).
 _H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
     (1, "gemv", 16, 4, 1024, 1, 1),
     (16, "gemv", 16, 64, 256, 4, 3),
