@@ -62,7 +62,8 @@ def _safe(what: str, fn: Callable[[], float]) -> float:
 def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfig:
     """A GEMV launch with the dispatcher's K split for these tiles on the GPU."""
     cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps)
-    return replace(cfg, split_k=split_k_for(m, n, k, cfg, torch.device("cuda")))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return replace(cfg, split_k=split_k_for(m, n, k, cfg, sms))
 
 
 @contextlib.contextmanager

@@ -12,12 +12,13 @@ FP8 GEMM when the shape allows it, else the Triton GEMM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from qlens.kernels.runtime import gpu_name, interpreting
+from qlens.kernels.runtime import cuda_index, gpu_name, interpreting
 from qlens.quant.codecs.checks import ceil_div
 
 Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
@@ -129,12 +130,17 @@ def _next_pow2(x: int) -> int:
 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(cuda_index(device))
     return 1
 
 
-def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device) -> int:
-    """Split K until the grid has about two programs per SM (one for a single row's GEMV, four
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, sms: int) -> int:
+    """Split K over a GPU of ``sms`` SMs until the grid has about two programs per SM (one for a single row's GEMV, four
     for several rows'), keeping >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps
     are long and whose programs each stream one strip).
 
@@ -152,7 +158,6 @@ def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, device: torch.device)
     14336-row layers' 224 ran 1.09-1.12x slower at 2, and the 28672-row layers' 448 ran
     0.99-1.11x as fast at 2, left unsplit (``mid_rows_h200.md``, 2026-12-03 15:38).
     """
-    sms = _sm_count(device)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
@@ -197,12 +202,21 @@ def choose_config(
 
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
     ``int4``: its words hold symmetric int4 codes, whose cheaper decode takes longer tiles on
-    large layers.
+    large layers. Choices are kept per shape and device (an eager call pays a dictionary lookup,
+    not the table walk: on the H200 host the walk took about 60 us a call).
     """
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)
-    h200 = "H200" in gpu_name(device)
+    return _table_config(m, n, k, gpu_name(device), _sm_count(device), w8a8, packed_words, int4)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_config(
+    m: int, n: int, k: int, name: str, sms: int, w8a8: bool, packed_words: bool, int4: bool
+) -> LinearConfig:
+    """``choose_config`` on a GPU called ``name`` with ``sms`` SMs."""
+    h200 = "H200" in name
     if w8a8:
         table = _H200_W8A8 if h200 else _DEFAULT_W8A8
     elif packed_words and h200:
@@ -222,13 +236,13 @@ def choose_config(
             # 1.05-1.09x on the 28672-row layers, 1.06x over 4 x 2048 on 4096 x 14336; slower on
             # the smaller 8B layers, and for MXFP4 / NVFP4 everywhere).
             cfg = replace(cfg, block_n=8, num_stages=3)
-        elif ceil_div(n, cfg.block_n) <= 8 * _sm_count(device):
+        elif ceil_div(n, cfg.block_n) <= 8 * sms:
             # Few one-row programs: two warps side by side stream twice the K per step
             # (gemv_tiles_h200.md, 13:59: on the 4096-row layers 1.02-1.15x faster than one warp
             # over the same K and 1.04-1.36x faster than 4 x 1024; slower from 6144 rows).
             cfg = replace(cfg, block_k=2048, num_warps=2)
     if cfg.path in ("splitk", "gemv"):
-        cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, device))
+        cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, sms))
     elif cfg.path == "gemm" and table is _H200_PACKED_WORDS:
         # Four K splits, each of at least four K steps.
         steps = ceil_div(k, cfg.block_k)

@@ -37,8 +37,9 @@ def kernel_constants(w: KernelWeight) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def on_device(device: torch.device) -> Iterator[None]:
-    """Launch on ``device``'s GPU (so weights split across GPUs run where they live)."""
-    if device.type == "cuda":
+    """Launch on ``device``'s GPU (so weights split across GPUs run where they live); switching
+    the current device only when it is another one (an eager call saves the switch)."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
         with torch.cuda.device(device):
             yield
     else:

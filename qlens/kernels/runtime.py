@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -41,8 +42,18 @@ def require_kernel_device(device: torch.device) -> None:
         raise RuntimeError(f"qlens Triton kernels cannot run: {problem}")
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of CUDA ``device`` (the current device for a bare ``"cuda"``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def gpu_name(device: torch.device) -> str:
-    """The accelerator's name (``"cpu-interpreter"`` on the CPU)."""
+    """The accelerator's name (``"cpu-interpreter"`` on the CPU); read once per GPU."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return _cuda_name(cuda_index(device))
     return "cpu-interpreter"
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)

@@ -145,3 +145,22 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
         assert choose_config(m, 28672, 8192, gpu, packed_words=True).split_k == 2
     assert choose_config(16, 57344, 4096, gpu, packed_words=True).split_k == 1  # 896 tiles
     assert choose_config(1, 4096, 4096, gpu, w8a8=True).path == "splitk"
+
+
+def test_table_choices_are_kept_per_gpu(monkeypatch):
+    """A repeated shape gets the kept launch back; another GPU (name or SM count) its own."""
+    import qlens.kernels.configs as configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(configs, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    h200 = choose_config(1, 4096, 4096, gpu, packed_words=True)
+    assert choose_config(1, 4096, 4096, gpu, packed_words=True) is h200
+    monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    other = choose_config(1, 4096, 4096, gpu, packed_words=True)
+    assert (h200.block_n, h200.block_k) == (4, 2048) and (other.block_n, other.block_k) == (64, 128)
+    # 16 split-K tiles: split until about two programs per SM.
+    assert choose_config(2, 1024, 4096, gpu).split_k == 16
+    monkeypatch.setattr(configs, "_sm_count", lambda device: 16)
+    assert choose_config(2, 1024, 4096, gpu).split_k == 2

@@ -1,0 +1,92 @@
+"""Where an eager one-row quantized linear spends its time on the GPU: wall microseconds per call
+of each step of ``quantized_linear`` (back-to-back calls, one sync at the end), and the
+functions that take the most host time under ``cProfile``.
+
+Run on a CUDA GPU: ``python benchmarks/eager_profile.py``; prints markdown and, when ``$OUT`` is
+set, writes it to ``$OUT/eager_profile_h200.md``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import functools
+import io
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import qlens.kernels.gemv as gemv
+from qlens.kernels import quantized_linear
+from qlens.kernels.dispatch import default_config
+from qlens.kernels.timing import ONE_CALL_TIMING, header, publish
+from qlens.kernels.weights import kernel_weight
+from qlens.quant.quantize import quantize_weight
+
+SHAPE = (4096, 4096)
+CALLS = 500
+
+
+def wall_us(call) -> float:
+    """Wall microseconds per call over ``CALLS`` back-to-back calls, one sync at the end."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    w = torch.randn(*SHAPE, device=dev, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, SHAPE[1], device=dev, dtype=torch.bfloat16)
+    lines = [header("Eager one-row quantized linear: host time by step", ONE_CALL_TIMING), ""]
+    lines += ["| step | int4 us a call | mxfp4 us a call |", "|---|---|---|"]
+    steps: dict[str, list[float]] = {}
+    profiles = []
+    for scheme, options in (("int4", {"group_size": 128}), ("mxfp4", {})):
+        p = quantize_weight(w, scheme, **options)
+        kw = kernel_weight(p)
+        cfg = default_config(p, 1, dev)
+        words = gemv.word_view(kw)
+        out = torch.empty((1, kw.n), dtype=x.dtype, device=dev)
+        target = gemv.split_target(out, cfg.split_k)
+        cases = {
+            "bf16 F.linear": functools.partial(F.linear, x, w),
+            "quantized_linear (whole call)": functools.partial(quantized_linear, x, p),
+            "quantized_linear, launch given": functools.partial(quantized_linear, x, p, config=cfg),
+            "gemv_linear": functools.partial(gemv.gemv_linear, x, kw, None, cfg),
+            "_packed_gemv (kernel launch + regrouping)": functools.partial(
+                gemv._packed_gemv, x, kw, words, None, cfg, target
+            ),
+            "permute_codes": functools.partial(gemv.permute_codes, x, for_dot=False),
+            "default_config": functools.partial(default_config, p, 1, dev),
+            "kernel_weight": functools.partial(kernel_weight, p),
+            "torch.empty": functools.partial(torch.empty, (1, kw.n), dtype=x.dtype, device=dev),
+        }
+        for name, call in cases.items():
+            steps.setdefault(name, []).append(wall_us(call))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(CALLS):
+            quantized_linear(x, p)
+        torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        profiles.append((scheme, text.getvalue()))
+    lines += [f"| {name} | {a:.1f} | {b:.1f} |" for name, (a, b) in steps.items()]
+    for scheme, text in profiles:
+        lines += ["", f"## cProfile of {CALLS} calls, {scheme} (by own time)", "", "```"]
+        lines += [line.rstrip() for line in text.splitlines() if line.strip()][:40]
+        lines += ["```"]
+    publish("\n".join(lines), "eager_profile_h200.md")
+
+
+if __name__ == "__main__":
+    main()
