@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.timing import ONE_CALL_TIMING, header, publish
+from qlens.kernels.timing import header, publish
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 
@@ -45,7 +45,11 @@ def main() -> None:
     dev = torch.device("cuda")
     w = torch.randn(*SHAPE, device=dev, dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, SHAPE[1], device=dev, dtype=torch.bfloat16)
-    lines = [header("Eager one-row quantized linear: host time by step", ONE_CALL_TIMING), ""]
+    timing = (
+        f"wall time per call of {CALLS} back-to-back eager calls, one "
+        f"`torch.cuda.synchronize()` at the end; cProfile over another {CALLS} calls"
+    )
+    lines = [header("Eager one-row quantized linear: host time by step", timing), ""]
     lines += ["| step | int4 us a call | mxfp4 us a call |", "|---|---|---|"]
     steps: dict[str, list[float]] = {}
     profiles = []
