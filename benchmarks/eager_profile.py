@@ -12,7 +12,6 @@ import cProfile
 import functools
 import io
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,24 +19,12 @@ import torch.nn.functional as F
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.timing import header, publish
+from qlens.kernels.timing import header, publish, time_eager_loop
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 
 SHAPE = (4096, 4096)
 CALLS = 500
-
-
-def wall_us(call) -> float:
-    """Wall microseconds per call over ``CALLS`` back-to-back calls, one sync at the end."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / CALLS * 1e6
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
             "torch.empty": functools.partial(torch.empty, (1, kw.n), dtype=x.dtype, device=dev),
         }
         for name, call in cases.items():
-            steps.setdefault(name, []).append(wall_us(call))
+            steps.setdefault(name, []).append(time_eager_loop(call, CALLS))
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(CALLS):

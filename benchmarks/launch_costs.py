@@ -13,7 +13,6 @@ set, writes it to ``$OUT/launch_costs_h200.md``.
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,25 +25,13 @@ from qlens.kernels.timing import (
     rotation,
     seeded_weight,
     time_bf16_linear,
+    time_eager_loop,
     time_graph,
 )
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}))
-EAGER_CALLS = 500
-
-
-def eager_us(call) -> float:
-    """Wall microseconds per call over ``EAGER_CALLS`` back-to-back calls, one sync at the end."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(EAGER_CALLS):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / EAGER_CALLS * 1e6
 
 
 def main() -> None:
@@ -59,7 +46,7 @@ def main() -> None:
         bf16 = rotation(w)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         t_bf16 = time_bf16_linear(bf16, x)
-        e_bf16 = eager_us(functools.partial(F.linear, x, bf16[0]))
+        e_bf16 = time_eager_loop(functools.partial(F.linear, x, bf16[0]))
         del bf16
         for scheme, options in SCHEMES:
             payloads = rotation(quantize_weight(w, scheme, **options))
@@ -72,7 +59,7 @@ def main() -> None:
             finally:
                 gemv.permute_codes = permute
             t_permute = time_graph([functools.partial(permute, x, for_dot=False)] * 16)
-            e_call = eager_us(calls[0])
+            e_call = time_eager_loop(calls[0])
             rows.append(
                 f"| {n} x {k} | {scheme} | {t_bf16:.1f} | {t_call:.1f} | {t_bare:.1f} | "
                 f"{t_permute:.1f} | {e_bf16:.1f} | {e_call:.1f} |"

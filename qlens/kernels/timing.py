@@ -9,6 +9,7 @@ import itertools
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import no_type_check
 
@@ -81,6 +82,20 @@ def time_eager(call: Callable[[], object], reps: int = 10) -> float:
         times.append(start.elapsed_time(end) * 1000.0)
     times.sort()
     return times[len(times) // 2]
+
+
+def time_eager_loop(call: Callable[[], object], calls: int = 500) -> float:
+    """Wall microseconds per call over ``calls`` back-to-back calls of ``call``, synchronized
+    once at the end: what an eager loop pays, host work included (``time_eager`` times one
+    call between events)."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 # What a launch that cannot run raises: a shape or tile the code rejects, a CUDA error, or Triton's

@@ -76,13 +76,20 @@ def test_empty_batch():
     assert quantized_linear(torch.randn(0, 64), payload).shape == (0, 16)
 
 
-def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
-    """The tuned tables as a GPU sees them (device properties faked: no GPU needed)."""
+@pytest.fixture
+def h200(monkeypatch):
+    """The dispatcher as it sees an H200 (name and SM count faked: no GPU needed); yields the
+    ``configs`` module, for tests that fake another GPU."""
     import qlens.kernels.configs as configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(configs, "_sm_count", lambda device: 132)
+    return configs
+
+
+def test_h200_table_gives_packed_words_their_own_launches(h200):
+    """The tuned tables as a GPU sees them."""
     gpu = torch.device("cuda")
     word = choose_config(1, 28672, 8192, gpu, packed_words=True)
     byte = choose_config(1, 28672, 8192, gpu)
@@ -147,19 +154,15 @@ def test_h200_table_gives_packed_words_their_own_launches(monkeypatch):
     assert choose_config(1, 4096, 4096, gpu, w8a8=True).path == "splitk"
 
 
-def test_table_choices_are_kept_per_gpu(monkeypatch):
+def test_table_choices_are_kept_per_gpu(h200, monkeypatch):
     """A repeated shape gets the kept launch back; another GPU (name or SM count) its own."""
-    import qlens.kernels.configs as configs
-
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(configs, "_sm_count", lambda device: 132)
+    configs = h200
     gpu = torch.device("cuda")
-    h200 = choose_config(1, 4096, 4096, gpu, packed_words=True)
-    assert choose_config(1, 4096, 4096, gpu, packed_words=True) is h200
+    kept = choose_config(1, 4096, 4096, gpu, packed_words=True)
+    assert choose_config(1, 4096, 4096, gpu, packed_words=True) is kept
     monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB")
     other = choose_config(1, 4096, 4096, gpu, packed_words=True)
-    assert (h200.block_n, h200.block_k) == (4, 2048) and (other.block_n, other.block_k) == (64, 128)
+    assert (kept.block_n, kept.block_k) == (4, 2048) and (other.block_n, other.block_k) == (64, 128)
     # 16 split-K tiles: split until about two programs per SM.
     assert choose_config(2, 1024, 4096, gpu).split_k == 16
     monkeypatch.setattr(configs, "_sm_count", lambda device: 16)
