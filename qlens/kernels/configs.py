@@ -140,9 +140,9 @@ def _cuda_sm_count(index: int) -> int:
 
 
 def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, sms: int) -> int:
-    """Split K over a GPU of ``sms`` SMs until the grid has about two programs per SM (one for a single row's GEMV, four
-    for several rows'), keeping >= 4 K-steps per split (>= 1 on the GEMV path, whose K steps
-    are long and whose programs each stream one strip).
+    """Split K over a GPU of ``sms`` SMs until the grid has about two programs per SM (one for
+    a single row's GEMV, four for several rows'), keeping >= 4 K-steps per split (>= 1 on the
+    GEMV path, whose K steps are long and whose programs each stream one strip).
 
     GEMV programs are counted as the packed 4-bit GEMV launches them (``BLOCK_M`` rows in one
     program); the byte-wise GEMV launches one per row, so its split errs towards more.
