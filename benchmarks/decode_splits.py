@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
     header,
     publish,
@@ -25,7 +26,6 @@ from qlens.kernels.timing import (
 )
 from qlens.quant.quantize import quantize_weight
 
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 # (label, scheme, quantize kwargs, w8a8, M, launch) ; splits are swept over each launch.
 CASES = (
     ("int4 word", "int4", {"group_size": 128}, False, 1, LinearConfig("gemv", 16, 4, 1024, num_warps=1, num_stages=1)),
@@ -56,7 +56,7 @@ def main() -> None:
         + " | ".join(cols) + " | best vs bf16 | rel. err (s4) |",
         "|---|---|---|---|---|" + "---|" * len(cols) + "---|---|",
     ]  # fmt: skip
-    for n, k in SHAPES:
+    for n, k in DECODE_LAYERS_8B:
         w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
         payloads = {}

@@ -8,11 +8,16 @@ is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
 from __future__ import annotations
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import header, launch_sweep, publish
+from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
+    PACKED_4BIT_SCHEMES,
+    header,
+    launch_sweep,
+    publish,
+)
 
 ROW_COUNTS = (16, 4)
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
+SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))
 # (BLOCK_N, BLOCK_K, warps, stages, K splits)
 LAUNCHES = (
     (64, 256, 4, 3, 1),
@@ -30,7 +35,7 @@ CONFIGS = tuple(
 
 
 def main() -> None:
-    rows = launch_sweep(SHAPES, ROW_COUNTS, SCHEMES, CONFIGS)
+    rows = launch_sweep(SHAPES, ROW_COUNTS, PACKED_4BIT_SCHEMES, CONFIGS)
     publish(header("Packed tensor-core GEMV at 16 and 4 rows") + "\n".join(rows),
             "dot_gemv_tiles_h200.md")  # fmt: skip
 

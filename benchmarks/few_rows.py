@@ -16,18 +16,20 @@ import torch.nn.functional as F
 from qlens.kernels import dequantize_triton, quantized_linear
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
     header,
     launch_label,
     publish,
     rel_err,
     rotation,
     seeded_weight,
+    select_schemes,
     time_bf16_linear,
     time_linear,
 )
 from qlens.quant.quantize import quantize_weight
 
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
+SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))
 SCHEMES = (
     ("int4", {"group_size": 128}),
     ("mxfp4", {}),
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--schemes", help="comma-separated subset of the schemes")
     parser.add_argument("--rows", help="comma-separated row counts (default 2,4,8)")
     args = parser.parse_args()
-    schemes = [c for c in SCHEMES if args.schemes is None or c[0] in args.schemes.split(",")]
+    schemes = select_schemes(SCHEMES, args.schemes)
     row_counts = ROWS if args.rows is None else tuple(int(r) for r in args.rows.split(","))
     dev = torch.device("cuda")
     rows = [

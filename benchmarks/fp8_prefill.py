@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, ACT_QUANT_GROUPS, quantize_activations
 from qlens.kernels.timing import (
+    BENCHMARK_LAYERS,
     clone_payload,
     copies_for,
     copy_bandwidths,
@@ -35,7 +36,6 @@ ACT_SHAPES = ((1024, 4096), (4096, 4096), (1024, 14336), (4096, 8192), (4096, 14
 # (rows, groups) per activation-quantization program
 ACT_LAUNCHES = ((16, 1), (32, 1), (16, 2), (16, 4), (32, 2), (32, 4), (8, 4), (16, 8))
 M_VALUES = (1024, 4096)
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
 
 
 def _act_quant_rows(copy_tbs: float) -> list[str]:
@@ -79,7 +79,7 @@ def _linear_rows() -> list[str]:
         "qlens vs GEMM alone |",
         "|---|---|---|---|---|---|---|",
     ]
-    for n, k in SHAPES:
+    for n, k in BENCHMARK_LAYERS:
         w = seeded_weight(n, k)
         count = copies_for(n * k)
         fp8 = [quantize_weight(w, "fp8-block")]

@@ -9,10 +9,15 @@ set, writes it to ``$OUT/gemv_tiles_h200.md``.
 from __future__ import annotations
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import header, launch_sweep, publish
+from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
+    PACKED_4BIT_SCHEMES,
+    header,
+    launch_sweep,
+    publish,
+)
 
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (28672, 8192))
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
+SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))
 # (BLOCK_N, BLOCK_K, warps, stages)
 LAUNCHES = (
     (4, 1024, 1, 1),
@@ -33,7 +38,7 @@ CONFIGS = tuple(
 
 
 def main() -> None:
-    rows = launch_sweep(SHAPES, (1,), SCHEMES, CONFIGS)
+    rows = launch_sweep(SHAPES, (1,), PACKED_4BIT_SCHEMES, CONFIGS)
     publish(header("One-row word-wise GEMV tiles") + "\n".join(rows), "gemv_tiles_h200.md")
 
 

@@ -15,6 +15,8 @@ from kernels_decode import gemlite_layers
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.kernels.timing import (
+    BENCHMARK_LAYERS,
+    PACKED_4BIT_SCHEMES,
     clone_payload,
     copies_for,
     header,
@@ -26,8 +28,6 @@ from qlens.kernels.timing import (
 from qlens.quant.quantize import quantize_weight
 
 M_VALUES = (1, 16, 64, 256, 1024, 4096)
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
-W4_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 
 
 def scaled_mm_blockwise(x, w_fp8, w_scales):
@@ -70,7 +70,7 @@ def _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite):
         [lambda p=p: scaled_mm_gemm_only(a, a_s, p.data, p.scales) for p in fp8],
     )
     run("cublas_block+actq", [lambda p=p: scaled_mm_blockwise(x, p.data, p.scales) for p in fp8])
-    for s, _ in W4_SCHEMES:
+    for s, _ in PACKED_4BIT_SCHEMES:
         run(s, [lambda p=p: quantized_linear(x, p) for p in w4[s]])
     if gemlite:
         run("gemlite_int4", [lambda layer=layer: layer(x) for layer in gemlite])
@@ -100,7 +100,7 @@ def bench_shape(n, k, m_values, rows):
     fp8 = weights("fp8", lambda: quantize_weight(w, "fp8-block"), n * k)
     w4 = {
         s: weights(s, lambda s=s, kw=kw: quantize_weight(w, s, **kw), n * k // 2)
-        for s, kw in W4_SCHEMES
+        for s, kw in PACKED_4BIT_SCHEMES
     }
     gemlite = gemlite_layers(w4["int4"], n, k)
     for m in m_values:
@@ -221,7 +221,9 @@ def sweep_gemv():
     """Time GEMV launches for one row on the largest layer."""
     n, k = 28672, 8192
     w = seeded_weight(n, k)
-    payloads = {s: quantize_weight(w, s, **kw) for s, kw in (*W4_SCHEMES, ("fp8-block", {}))}
+    payloads = {
+        s: quantize_weight(w, s, **kw) for s, kw in (*PACKED_4BIT_SCHEMES, ("fp8-block", {}))
+    }
     del w
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     lines = ["## GEMV sweep (M = 1, 28672 x 8192)", "", "| weight | config | us |", "|---|---|---|"]
@@ -252,7 +254,7 @@ def main():
     if args.sweep_gemv:
         out.append(sweep_gemv())
     rows = []
-    shapes = SHAPES[::3] if args.quick else SHAPES
+    shapes = BENCHMARK_LAYERS[::3] if args.quick else BENCHMARK_LAYERS
     for n, k in shapes:
         bench_shape(n, k, (1, 16, 4096) if args.quick else M_VALUES, rows)
     names = list(rows[0][4])

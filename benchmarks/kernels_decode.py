@@ -26,6 +26,8 @@ from qlens.kernels.configs import split_k_for
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import WORD_GEMV_ENV
 from qlens.kernels.timing import (
+    BENCHMARK_LAYERS,
+    PACKED_4BIT_SCHEMES,
     header,
     launch_label,
     publish,
@@ -38,8 +40,6 @@ from qlens.kernels.timing import (
 )
 from qlens.quant.quantize import quantize_weight
 
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 COPY_TBPS = 4.27  # device-to-device copy ceiling measured on this H200 (DESIGN.md section 5)
 # Word-wise GEMV launches swept on the largest layer: (M, BLOCK_N, BLOCK_K, warps).
@@ -105,16 +105,16 @@ def gemlite_layers(ps, n: int, k: int) -> list:
 
 def bench(sweep: bool, dev: torch.device) -> str:
     rows, checks, sweep_rows = [], [], []
-    for n, k in SHAPES:
+    for n, k in BENCHMARK_LAYERS:
         w = seeded_weight(n, k, dev)
         bf16 = rotation(w)
-        payloads = {s: rotation(quantize_weight(w, s, **kw)) for s, kw in SCHEMES}
+        payloads = {s: rotation(quantize_weight(w, s, **kw)) for s, kw in PACKED_4BIT_SCHEMES}
         layers = gemlite_layers(payloads["int4"], n, k)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             base = _safe("bf16", lambda x=x, b=bf16: time_bf16_linear(b, x))
             cells = {}
-            for s, _ in SCHEMES:
+            for s, _ in PACKED_4BIT_SCHEMES:
                 ps = payloads[s]
                 ref = F.linear(x.float(), dequantize_triton(ps[0], torch.float32))
                 for label, on in (("byte", False), ("word", True)):
@@ -136,8 +136,8 @@ def bench(sweep: bool, dev: torch.device) -> str:
                     lambda x=x, r=ref, g=layers[0]: rel_err(g(x), r))))  # fmt: skip
             rows.append((m, n, k, base, cells))
             print(f"<!-- {m}x{n}x{k} bf16={base:.1f} {cells} -->", flush=True)
-        if sweep and (n, k) == SHAPES[-1]:
-            for (s, _), (m, bn, bk, warps) in itertools.product(SCHEMES, SWEEP):
+        if sweep and (n, k) == BENCHMARK_LAYERS[-1]:
+            for (s, _), (m, bn, bk, warps) in itertools.product(PACKED_4BIT_SCHEMES, SWEEP):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 c = _launch(m, n, k, bn, bk, warps)
                 with word_gemv(True):
@@ -169,17 +169,23 @@ def render(rows, checks, sweep_rows) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, n, k, base, cells in rows:
-        times = [_cell(cells[f"{s} {v}"], base) for s, _ in SCHEMES for v in ("byte", "word")]
+        times = [
+            _cell(cells[f"{s} {v}"], base) for s, _ in PACKED_4BIT_SCHEMES for v in ("byte", "word")
+        ]
         gl = _cell(cells["gemlite int4"], base) if "gemlite int4" in cells else "n/a"
         bw = [
             n * k * BYTES_PER_WEIGHT[s] / min(cells[f"{s} byte"], cells[f"{s} word"]) / 1e6
-            for s, _ in SCHEMES
+            for s, _ in PACKED_4BIT_SCHEMES
         ]
         shares = " / ".join(f"{100 * b / COPY_TBPS:.0f}%" for b in bw)
         out.append(f"| {m} | {n} | {k} | {base:.1f} | " + " | ".join(times) +
                    f" | {gl} | {shares} |")  # fmt: skip
     if sweep_rows:
-        out += ["", f"## Word-wise GEMV sweep, {SHAPES[-1][0]} x {SHAPES[-1][1]}", ""]
+        out += [
+            "",
+            f"## Word-wise GEMV sweep, {BENCHMARK_LAYERS[-1][0]} x {BENCHMARK_LAYERS[-1][1]}",
+            "",
+        ]
         out += [
             "| weight | M | BLOCK_N x BLOCK_K | warps | split | us |",
             "|---|---|---|---|---|---|",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
     header,
     publish,
     rotation,
@@ -30,7 +31,6 @@ from qlens.kernels.timing import (
 )
 from qlens.quant.quantize import quantize_weight
 
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}))
 
 
@@ -41,7 +41,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     permute = gemv.permute_codes
-    for n, k in SHAPES:
+    for n, k in DECODE_LAYERS_8B:
         w = seeded_weight(n, k)
         bf16 = rotation(w)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -11,11 +11,15 @@ writes it to ``$OUT/mid_rows_h200.md``.
 from __future__ import annotations
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import header, launch_sweep, publish
+from qlens.kernels.timing import (
+    BENCHMARK_LAYERS,
+    PACKED_4BIT_SCHEMES,
+    header,
+    launch_sweep,
+    publish,
+)
 
 ROW_COUNTS = (24, 32, 48, 64)
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)
 LAUNCHES = (
     (32, 64, 256, 4, 3, 1),
@@ -32,7 +36,7 @@ CONFIGS = tuple(
 
 
 def main() -> None:
-    rows = launch_sweep(SHAPES, ROW_COUNTS, SCHEMES, CONFIGS)
+    rows = launch_sweep(BENCHMARK_LAYERS, ROW_COUNTS, PACKED_4BIT_SCHEMES, CONFIGS)
     publish(header("Packed tensor-core GEMV at 24-64 rows") + "\n".join(rows),
             "mid_rows_h200.md")  # fmt: skip
 

@@ -12,12 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import LAUNCH_ERRORS, clone_payload, header, publish, time_graph
+from qlens.kernels.timing import (
+    DECODE_LAYERS_8B,
+    LAUNCH_ERRORS,
+    clone_payload,
+    header,
+    publish,
+    time_graph,
+)
 from qlens.quant.quantize import quantize_weight
 
 LAYERS = 32
 PREFILL_TOKENS = 2048
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 SCHEMES = (
     ("fp8-block W8A8", "fp8-block", {}, True),
     ("fp8-block W8A16", "fp8-block", {}, False),
@@ -51,7 +57,9 @@ def _timed(name, fns, x, replays):
 
 def main():
     torch.manual_seed(0)
-    base = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
+    base = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in DECODE_LAYERS_8B
+    ]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     xp = torch.randn(PREFILL_TOKENS, 4096, device="cuda", dtype=torch.bfloat16)
     bf16_layers = [[w.clone() for w in base] for _ in range(LAYERS)]

@@ -27,6 +27,7 @@ from qlens.kernels.configs import choose_config
 from qlens.kernels.experts import stacked_experts
 from qlens.kernels.gemv import experts_gemv
 from qlens.kernels.timing import (
+    PACKED_4BIT_SCHEMES,
     clone_payload,
     copies_for,
     header,
@@ -48,7 +49,6 @@ PROJECTIONS = (
     ("GPT-OSS-20B gate_up", 32, 5760, 2880, 4),
     ("GPT-OSS-20B down", 32, 2880, 2880, 4),
 )
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 ROUTES = 8  # distinct routes per graph, so that the same experts are not re-read from L2
 
 
@@ -112,7 +112,7 @@ def main() -> None:
         t_bf16 = time_graph([_bf16_loop(x, w_gpu, r.tolist()) for r in routes])
         t_bf16_eager = time_eager(_bf16_loop(x, w_gpu, routes[0].tolist()))
         label = f"{name} ({experts} x {n} x {k}, {top_k})"
-        for scheme, kwargs in SCHEMES:
+        for scheme, kwargs in PACKED_4BIT_SCHEMES:
             out.append(_scheme_row(label, scheme, kwargs, w, x, routes, t_bf16, t_bf16_eager))
             print(out[-1], flush=True)
             torch.cuda.empty_cache()

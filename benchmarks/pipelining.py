@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.timing import (
+    PACKED_4BIT_SCHEMES,
     header,
     publish,
     rel_err,
@@ -32,7 +33,6 @@ from qlens.kernels.timing import (
 from qlens.quant.quantize import quantize_weight
 
 GEMV_SHAPES = ((28672, 8192), (4096, 4096), (14336, 4096))
-WORD_SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 # (BLOCK_N, BLOCK_K, warps): BLOCK_K = 1024 x warps keeps x in the words' layout (decode_fast).
 WORD_LAUNCHES = ((4, 1024, 1), (8, 1024, 1), (4, 2048, 2), (8, 2048, 2))
 BYTE_LAUNCHES = ((32, 256, 4), (16, 512, 4), (64, 256, 4))
@@ -51,7 +51,7 @@ def gemv_rows() -> list[str]:
         bf16 = rotation(w)
         base = time_bf16_linear(bf16, x)
         del bf16
-        schemes = [(s, kw, WORD_LAUNCHES) for s, kw in WORD_SCHEMES]
+        schemes = [(s, kw, WORD_LAUNCHES) for s, kw in PACKED_4BIT_SCHEMES]
         schemes.append(("fp8-block", {}, BYTE_LAUNCHES))
         for scheme, kw, launches in schemes:
             p = quantize_weight(w, scheme, **kw)

@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import header, launch_sweep, publish
+from qlens.kernels.timing import (
+    BENCHMARK_LAYERS,
+    PACKED_4BIT_SCHEMES,
+    header,
+    launch_sweep,
+    publish,
+    select_schemes,
+)
 
 ROW_COUNTS = (64, 256, 1024, 4096)
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
-SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}), ("nvfp4", {}))
 # (activation rows, weight rows, K, warps, stages, K splits) per program.
 LAUNCHES = (
     (128, 128, 64, 8, 3, 1),
@@ -39,7 +44,7 @@ CONFIGS = tuple(
 # --mid: 33-64 rows, the 64-row GEMM tile at 1-8 K splits against the packed GEMV's 32-row
 # programs (which run two row tiles here) and dequantize + cuBLAS.
 MID_ROW_COUNTS = (40, 48, 64)
-MID_SCHEMES = (*SCHEMES, ("int4", {"group_size": 128, "asymmetric": True}))
+MID_SCHEMES = (*PACKED_4BIT_SCHEMES, ("int4", {"group_size": 128, "asymmetric": True}))
 MID_CONFIGS = (
     *(
         LinearConfig("gemm", 64, 64, 128, split_k=s, num_warps=4, num_stages=3)
@@ -57,16 +62,12 @@ def main() -> None:
     parser.add_argument("--schemes", help="comma-separated subset of int4, mxfp4, nvfp4")
     parser.add_argument("--mid", action="store_true", help="33-64 rows against the other paths")
     args = parser.parse_args()
-    schemes = [
-        c
-        for c in (MID_SCHEMES if args.mid else SCHEMES)
-        if args.schemes is None or c[0] in args.schemes.split(",")
-    ]
+    schemes = select_schemes(MID_SCHEMES if args.mid else PACKED_4BIT_SCHEMES, args.schemes)
     if args.mid:
-        rows = launch_sweep(SHAPES, MID_ROW_COUNTS, schemes, MID_CONFIGS)
+        rows = launch_sweep(BENCHMARK_LAYERS, MID_ROW_COUNTS, schemes, MID_CONFIGS)
         title, filename = "Packed 4-bit weights at 33-64 rows", "w4a16_mid_rows_h200.md"
     else:
-        rows = launch_sweep(SHAPES, ROW_COUNTS, schemes, CONFIGS)
+        rows = launch_sweep(BENCHMARK_LAYERS, ROW_COUNTS, schemes, CONFIGS)
         title, filename = "Packed 4-bit GEMM path, weight as the left operand", "w4a16_gemm_h200.md"
     publish(header(title) + "\n".join(rows), filename)
 

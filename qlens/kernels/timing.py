@@ -21,6 +21,24 @@ from triton.errors import TritonError
 from qlens.kernels.configs import LinearConfig
 from qlens.quant.payload import QuantPayload
 
+# The layers (N, K) every kernel benchmark times, the 8B decode layers (fused qkv, o, fused
+# gate_up, down, in model order) and the packed 4-bit schemes they time.
+BENCHMARK_LAYERS = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
+DECODE_LAYERS_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+PACKED_4BIT_SCHEMES: tuple[tuple[str, dict], ...] = (
+    ("int4", {"group_size": 128}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+)
+
+
+def select_schemes(
+    schemes: Sequence[tuple[str, dict]], names: str | None
+) -> list[tuple[str, dict]]:
+    """The ``(scheme, options)`` pairs whose scheme is in the comma-separated ``names`` (all of
+    them when ``names`` is ``None``): a benchmark's ``--schemes`` option."""
+    return [c for c in schemes if names is None or c[0] in names.split(",")]
+
 
 def time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
     """Median microseconds of one call, from CUDA-graph replays of ``calls`` run back to back.

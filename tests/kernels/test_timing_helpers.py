@@ -89,3 +89,10 @@ def test_launch_sweep_tables_every_layer_row_count_and_scheme(monkeypatch, capsy
     assert all(float(r[-2].rstrip("x")) > 0 for r in body)
     assert all(float(r[-1].rstrip(" |")) < 1e-2 for r in body)  # vs the fp32 product
     assert capsys.readouterr().out.count("| 48 x 256 |") == 4  # printed as timed
+
+
+def test_select_schemes_keeps_the_named_schemes_in_order():
+    schemes = (*timing.PACKED_4BIT_SCHEMES, ("int4", {"group_size": 128, "asymmetric": True}))
+    assert timing.select_schemes(schemes, None) == list(schemes)
+    assert timing.select_schemes(schemes, "nvfp4,int4") == [schemes[0], schemes[2], schemes[3]]
+    assert timing.select_schemes(schemes, "fp8-block") == []
