@@ -9,7 +9,13 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
-from qlens.kernels.weights import INT4, cached_on_payload, kernel_weight, unsupported_reason
+from qlens.kernels.weights import (
+    INT4,
+    KernelWeight,
+    cached_on_payload,
+    kernel_weight,
+    unsupported_reason,
+)
 from qlens.quant.payload import QuantPayload
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,9 +32,13 @@ def default_config(
     payload: QuantPayload, m: int, device: torch.device, *, w8a8: bool = False
 ) -> LinearConfig:
     """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``."""
+    return _weight_config(kernel_weight(payload), m, device, w8a8)
+
+
+def _weight_config(w: KernelWeight, m: int, device: torch.device, w8a8: bool) -> LinearConfig:
+    """``default_config`` for the payload's launch view ``w``."""
     from qlens.kernels.gemv import word_view
 
-    w = kernel_weight(payload)
     words = not w8a8 and word_view(w) is not None
     # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a thread
     # (168 without; local sm_90 compile) and was not measured.
@@ -82,7 +92,7 @@ def quantized_linear(
     if m == 0:
         return x.new_empty((*lead, w.n))
     if config is None:
-        config = default_config(payload, m, x.device, w8a8=w8a8)
+        config = _weight_config(w, m, x.device, w8a8)
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
