@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qlens.kernels.timing import (
+from _timing import (
     header,
     publish,
     rotation,

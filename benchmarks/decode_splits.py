@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.timing import (
+from _timing import (
     DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
     header,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
-from qlens.kernels.timing import (
+from _timing import (
     ONE_CALL_TIMING,
     copy_bandwidths,
     header,

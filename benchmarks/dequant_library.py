@@ -16,7 +16,7 @@ import torch
 
 from qlens.kernels import dequantize_triton
 from qlens.kernels.dequant_launch import DequantLaunch
-from qlens.kernels.timing import (
+from _timing import (
     ONE_CALL_TIMING,
     copy_bandwidths,
     header,
@@ -26,7 +26,7 @@ from qlens.kernels.timing import (
 from qlens.quant.codecs.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
-from qlens.quant.samples import random_bitnet, random_bnb_4bit, random_bnb_int8, random_gguf
+from _samples import random_bitnet, random_bnb_4bit, random_bnb_int8, random_gguf
 
 N, K = 28672, 8192
 PAYLOADS: tuple[tuple[str, Callable[[], QuantPayload]], ...] = (

@@ -8,7 +8,7 @@ is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
 from __future__ import annotations
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import (
+from _timing import (
     DECODE_LAYERS_8B,
     PACKED_4BIT_SCHEMES,
     header,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.timing import header, publish, time_eager_loop
+from _timing import header, publish, time_eager_loop
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 

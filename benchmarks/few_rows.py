@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qlens.kernels import dequantize_triton, quantized_linear
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.timing import (
+from _timing import (
     DECODE_LAYERS_8B,
     header,
     launch_label,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, ACT_QUANT_GROUPS, quantize_activations
-from qlens.kernels.timing import (
+from _timing import (
     BENCHMARK_LAYERS,
     clone_payload,
     copies_for,

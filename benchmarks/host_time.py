@@ -21,7 +21,7 @@ import torch
 
 import qlens.kernels.gemv as gemv
 from qlens.kernels import experts_linear, quantized_linear
-from qlens.kernels.timing import publish
+from _timing import publish
 from qlens.quant.quantize import quantize_weight
 
 CALLS = 2000

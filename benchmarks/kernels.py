@@ -14,7 +14,7 @@ from kernels_decode import gemlite_layers
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
-from qlens.kernels.timing import (
+from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     clone_payload,

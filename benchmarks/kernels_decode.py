@@ -25,7 +25,7 @@ from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import WORD_GEMV_ENV
-from qlens.kernels.timing import (
+from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     header,

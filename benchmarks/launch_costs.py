@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import (
+from _timing import (
     DECODE_LAYERS_8B,
     header,
     publish,

@@ -11,7 +11,7 @@ writes it to ``$OUT/mid_rows_h200.md``.
 from __future__ import annotations
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import (
+from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     header,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import quantized_linear
-from qlens.kernels.timing import (
+from _timing import (
     DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
     clone_payload,

@@ -26,7 +26,7 @@ from qlens.kernels import experts_linear, quantized_linear
 from qlens.kernels.configs import choose_config
 from qlens.kernels.experts import stacked_experts
 from qlens.kernels.gemv import experts_gemv
-from qlens.kernels.timing import (
+from _timing import (
     PACKED_4BIT_SCHEMES,
     clone_payload,
     copies_for,

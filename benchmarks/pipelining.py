@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.timing import (
+from _timing import (
     PACKED_4BIT_SCHEMES,
     header,
     publish,

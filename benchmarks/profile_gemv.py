@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qlens.kernels import LinearConfig, quantized_linear
-from qlens.kernels.timing import seeded_weight
+from _timing import seeded_weight
 from qlens.quant.quantize import quantize_weight
 
 LAUNCHES = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.timing import (
+from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     header,

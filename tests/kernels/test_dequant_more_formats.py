@@ -22,7 +22,7 @@ from qlens.quant.codecs.bnb import BNB_INT8
 from qlens.quant.codecs.gguf import GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, gguf_format
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
-from qlens.quant.samples import (
+from benchmarks._samples import (
     gguf_payload,
     random_bitnet,
     random_bnb_4bit,

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import quantized
 
-from qlens.kernels import LinearConfig, dequantize_triton, timing
+from benchmarks import _timing as timing
+from qlens.kernels import LinearConfig, dequantize_triton
 
 
 def test_time_launches_times_each_launch_and_marks_failures(monkeypatch, capsys):

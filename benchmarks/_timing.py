@@ -1,4 +1,4 @@
-"""GPU timing for the benchmarks: CUDA-graph replays over rotating inputs, timed with events."""
+"""GPU timing and result headers shared by the benchmark scripts (not part of the qlens package)."""
 
 from __future__ import annotations
 
