@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import importlib.metadata
 import itertools
 import os
 import platform
@@ -102,6 +103,28 @@ def time_eager(call: Callable[[], object], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def median_wall_s(call: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall seconds of ``call`` over ``repeats`` runs after ``warmup`` untimed ones,
+    synchronizing the GPU (when there is one) around each run: for whole-model work (a prefill,
+    a ``generate``) whose host time counts."""
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        call()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def time_eager_loop(call: Callable[[], object], calls: int = 500) -> float:
     """Wall microseconds per call over ``calls`` back-to-back calls of ``call``, synchronized
     once at the end: what an eager loop pays, host work included (``time_eager`` times one
@@ -170,15 +193,25 @@ ONE_CALL_TIMING = (
 )
 
 
-def header(title: str, timing: str = ROTATED_TIMING) -> str:
-    """Markdown preamble: date, GPU, software versions, the exact command and how it timed."""
+def device_name() -> str:
+    """The GPU and its SM count, or the CPU when no GPU is visible."""
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return f"{torch.cuda.get_device_name()} ({sms} SMs)"
+    return f"none: CPU {platform.machine()}, {os.cpu_count()} logical cores"
+
+
+def header(title: str, timing: str = ROTATED_TIMING, libraries: Sequence[str] = ()) -> str:
+    """Markdown preamble: date, GPU, software versions (torch, triton, CUDA, Python and the
+    installed ``libraries``), the exact command and how it timed."""
+    extra = "".join(f", {name} {importlib.metadata.version(name)}" for name in libraries)
     lines = [
         f"# {title}",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"- GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
+        f"- GPU: {device_name()}",
         f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
-        f"Python {platform.python_version()}",
+        f"Python {platform.python_version()}{extra}",
         f"- command: `python {' '.join(sys.argv)}`",
         f"- timing: {timing}",
         "",

@@ -1,0 +1,599 @@
+"""Whole models the way users run them: bf16 against every qlens scheme and bitsandbytes.
+
+Random-weight bf16 models (SDPA attention) of Llama-3.2-1B and Llama-3.1-8B shape and one
+Qwen3-30B-A3B-like MoE (24 layers, 64 experts, top-8), built on the GPU; each qlens scheme
+quantizes the bf16 model with ``qlens.quantize(model, scheme)``, and bitsandbytes NF4 and
+LLM.int8 (when ``import bitsandbytes`` works) swap its linears for bitsandbytes' own modules, as
+transformers' loader does. Everything runs in one process, bf16 first. Per model:
+
+- weights: GiB of parameters and buffers (bitsandbytes: with their quantization states);
+- prefill: one forward of ``--prefill-tokens`` tokens through ``qlens.load(model)``;
+- cache: ``run_with_cache`` of every ``hook_resid_post`` at that length (x bf16 prefill);
+- decode: eager ``bridge.generate``, ``--decode-tokens`` greedy tokens after a 32-token prompt,
+  without hooks and with one steering hook adding a vector to ``blocks.{L/2}.hook_resid_post``;
+- plain HF forward and ``generate`` of the same model, for the bridge's overhead;
+- compiled decode: transformers' static-cache ``generate`` with a ``CompileConfig``
+  (``--compile-schemes``; each compile takes tens of seconds);
+- ratios against bf16 and against bitsandbytes NF4.
+
+Every measurement is isolated: a failure (a compile that breaks, memory) is written into its
+cell and the run goes on. Timings are medians of ``--repeats`` wall-clock runs after a warm-up,
+synchronized around each run.
+
+Run on a CUDA GPU, one size per invocation (each about 2-4 minutes on an H200; all three about
+8 minutes, most of it compiling):
+    python benchmarks/e2e_model.py --sizes 1b --out e2e_model_1b.md
+    python benchmarks/e2e_model.py --sizes 8b --out e2e_model_8b.md
+    python benchmarks/e2e_model.py --sizes moe --out e2e_model_moe.md
+Options: ``--schemes int4,nvfp4,bnb-nf4`` (a subset; bf16 always runs), ``--skip-compile``,
+``--compile-schemes all``. On a CPU, ``--tiny`` runs tiny models of the same families end to
+end through the CPU reference path (compiled with the eager backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Python puts this script's folder first on sys.path, where kernels.py would shadow the
+# `kernels` package transformers probes for; put the repository root there instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks._timing import header, median_wall_s, publish, select_schemes  # noqa: E402
+
+PROMPT_TOKENS = 32
+BNB_SCHEMES = ("bnb-nf4", "bnb-int8")
+DEFAULT_COMPILE = ("bf16", "int4", "bnb-nf4")
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+QWEN3_MOE = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+TINY_LLAMA = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
+TINY_MOE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model to build: its label, family (``llama`` or ``qwen3_moe``), config and prefill."""
+
+    label: str
+    family: str
+    config: dict
+    prefill_tokens: int
+
+
+def shapes(tiny: bool, prefill_tokens: int | None) -> dict[str, Shape]:
+    """The ``--sizes`` choices, at full size or tiny (same families, a few layers), with the
+    prefill length ``prefill_tokens`` when given."""
+    if tiny:
+        chosen = {"1b": (TINY_LLAMA, 16), "8b": (TINY_LLAMA, 16), "moe": (TINY_MOE, 16)}
+    else:
+        chosen = {"1b": (LLAMA_1B, 2048), "8b": (LLAMA_8B, 2048), "moe": (QWEN3_MOE, 1024)}
+    labels = {
+        "1b": ("Llama-3.2-1B shape", "llama"),
+        "8b": ("Llama-3.1-8B shape", "llama"),
+        "moe": ("Qwen3-30B-A3B-like MoE", "qwen3_moe"),
+    }
+    return {
+        size: Shape(*labels[size], config, prefill_tokens or tokens)
+        for size, (config, tokens) in chosen.items()
+    }
+
+
+def build_model(shape: Shape, device: torch.device) -> nn.Module:
+    """A random-weight bf16 model of ``shape`` on ``device`` with SDPA attention, whose greedy
+    decoding never stops early (no end-of-sequence token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    families = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }
+    config_class, model_class = families[shape.family]
+    config = config_class(**shape.config, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def bnb_quantized(model: nn.Module, kind: str) -> nn.Module:
+    """A copy of ``model`` whose linear layers (all but ``lm_head``) are bitsandbytes NF4
+    (``kind="bnb-nf4"``, bf16 compute) or LLM.int8 (``"bnb-int8"``, outlier threshold 6.0)
+    modules, quantized from the same weights as transformers' ``BitsAndBytesConfig`` loader."""
+    import bitsandbytes as bnb
+
+    device = next(model.parameters()).device
+    out = copy.deepcopy(model)
+    for parent in list(out.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or name == "lm_head":
+                continue
+            bias = child.bias is not None
+            new: nn.Module
+            if kind == "bnb-nf4":
+                new = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=bias,
+                    compute_dtype=torch.bfloat16,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                new.weight = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False, quant_type="nf4", module=new
+                ).to(device)
+            else:
+                new = bnb.nn.Linear8bitLt(
+                    child.in_features,
+                    child.out_features,
+                    bias=bias,
+                    has_fp16_weights=False,
+                    threshold=6.0,
+                    device="meta",
+                )
+                # Int8Params quantizes when moved from the CPU to the GPU.
+                new.weight = bnb.nn.Int8Params(
+                    child.weight.data.cpu(), requires_grad=False, has_fp16_weights=False
+                ).to(device)
+            if bias:
+                new.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, new)
+            del child
+    return out
+
+
+def weight_gib(model: nn.Module) -> float:
+    """GiB of the model's parameters and buffers (each storage once, so tied embeddings count
+    once), with bitsandbytes' quantization states (absmax, code, SCB) that live beside them."""
+    seen: dict[int, int] = {}
+
+    def count(t: torch.Tensor | None) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for p in [*model.parameters(), *model.buffers()]:
+        count(p)
+        count(getattr(p, "SCB", None))
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            count(state.absmax)
+            count(state.code)
+            count(getattr(state, "offset", None))
+            state = getattr(state, "state2", None)
+    return sum(seen.values()) / 2**30
+
+
+def error_cell(err: BaseException) -> str:
+    """A failed measurement's table cell: the error's type and first line."""
+    first = (str(err).strip().splitlines() or [""])[0][:160]
+    return f"error: {type(err).__name__}: {first}".replace("|", "\\|")
+
+
+@dataclass
+class Row:
+    """One model's measurements: seconds, tokens per second, GiB, or an error's text."""
+
+    scheme: str
+    cells: dict[str, float | str] = field(default_factory=dict)
+
+    def measure(self, key: str, run: Callable[[], float]) -> None:
+        """Store ``run()`` under ``key``, or the error it raised; print progress."""
+        try:
+            self.cells[key] = run()
+        except Exception as err:  # noqa: BLE001 - a failure fills its cell, the run goes on
+            self.cells[key] = error_cell(err)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        print(f"<!-- {self.scheme} {key}: {self.cells[key]} -->", flush=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every model runs: the prefill tokens, the prompt, the decode length and repeats."""
+
+    tokens: torch.Tensor
+    prompt: torch.Tensor
+    decode_tokens: int
+    repeats: int
+    compile_backend: str
+
+
+def decode_call(generate: Callable[..., torch.Tensor], work: Workload, **kwargs) -> Callable:
+    """A greedy ``generate`` of ``work.decode_tokens`` tokens after the prompt, checked to have
+    produced them all."""
+
+    def run() -> None:
+        out = generate(
+            work.prompt,
+            max_new_tokens=work.decode_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+        expected = work.prompt.shape[1] + work.decode_tokens
+        if out.shape[1] != expected:
+            raise RuntimeError(f"generate returned {out.shape[1]} tokens, not {expected}")
+
+    return run
+
+
+def tokens_per_s(run: Callable[[], None], work: Workload, warmup: int = 1) -> float:
+    return work.decode_tokens / median_wall_s(run, work.repeats, warmup)
+
+
+def hf_generate(model: nn.Module) -> Callable[..., torch.Tensor]:
+    def generate(prompt: torch.Tensor, **kwargs) -> torch.Tensor:
+        mask = torch.ones_like(prompt)
+        return model.generate(input_ids=prompt, attention_mask=mask, pad_token_id=0, **kwargs)
+
+    return generate
+
+
+def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) -> None:
+    """The plain HF model: forward, eager ``generate`` and, when ``compiled``, the static-cache
+    compiled ``generate`` (compiled state dropped afterwards)."""
+    row.measure(
+        "hf_prefill_s",
+        lambda: median_wall_s(
+            lambda: model(input_ids=work.tokens, use_cache=False), work.repeats
+        ),
+    )
+    row.measure("hf_decode", lambda: tokens_per_s(decode_call(hf_generate(model), work), work))
+    if compiled:
+        row.measure("compiled_decode", lambda: compiled_tokens_per_s(model, work))
+        forget_compiled(model)
+
+
+def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
+    from transformers import CompileConfig
+
+    if work.compile_backend == "inductor":
+        config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    else:
+        config = CompileConfig(fullgraph=False, backend=work.compile_backend, mode="default")
+        config._compile_all_devices = True  # transformers compiles on the GPU only otherwise
+    run = decode_call(
+        hf_generate(model), work, cache_implementation="static", compile_config=config
+    )
+    # Two warm-ups: the first compiles, the second records the CUDA graphs.
+    return tokens_per_s(run, work, warmup=2)
+
+
+def forget_compiled(model: nn.Module) -> None:
+    """Drop what a compiled ``generate`` left behind (its graphs, its static cache)."""
+    torch._dynamo.reset()
+    for name in ("_compiled_call", "_cache"):
+        if name in vars(model):
+            delattr(model, name)
+    free_memory()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
+    """Through ``qlens.load(model)``: prefill, ``run_with_cache`` of every ``hook_resid_post``,
+    eager decode without hooks and with one steering hook."""
+    import qlens
+
+    bridge = qlens.load(model)
+    row.measure("prefill_s", lambda: median_wall_s(lambda: bridge(work.tokens), work.repeats))
+    row.measure(
+        "cache_s",
+        lambda: median_wall_s(
+            lambda: bridge.run_with_cache(
+                work.tokens, names_filter=lambda name: name.endswith("hook_resid_post")
+            ),
+            work.repeats,
+        ),
+    )
+    generate = bridge_generate(bridge)
+    row.measure("decode", lambda: tokens_per_s(decode_call(generate, work), work))
+    layer = bridge.cfg.n_layers // 2
+    direction = torch.randn(
+        bridge.cfg.d_model,
+        generator=torch.Generator().manual_seed(1),
+    ).to(work.prompt.device, torch.bfloat16)
+
+    def steer(resid: torch.Tensor, hook: object) -> torch.Tensor:
+        return resid + direction
+
+    def steered() -> float:
+        with bridge.hooks(fwd_hooks=[(f"blocks.{layer}.hook_resid_post", steer)]):
+            return tokens_per_s(decode_call(generate, work), work)
+
+    row.measure("steered_decode", steered)
+
+
+def bridge_generate(bridge) -> Callable[..., torch.Tensor]:
+    def generate(prompt: torch.Tensor, **kwargs) -> torch.Tensor:
+        return bridge.generate(prompt, return_type="tokens", **kwargs)
+
+    return generate
+
+
+def measure_model(
+    scheme: str, make: Callable[[], nn.Module], work: Workload, bridge: bool, compiled: bool
+) -> Row:
+    """Build one model with ``make`` and measure it; the model is freed afterwards."""
+    row = Row(scheme)
+    holder: list[nn.Module] = []
+
+    def built() -> float:
+        holder.append(make())
+        return weight_gib(holder[0])
+
+    row.measure("weights_gib", built)
+    if holder:
+        with torch.no_grad():
+            if bridge:
+                measure_bridge(row, holder[0], work)
+            measure_plain(row, holder[0], work, compiled)
+    holder.clear()
+    free_memory()
+    return row
+
+
+def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) -> list[Row]:
+    """bf16 first, then each qlens scheme and each bitsandbytes peer, one model at a time."""
+    import qlens
+
+    vocab = shape.config["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    work = Workload(
+        tokens=torch.randint(0, vocab, (1, shape.prefill_tokens), generator=gen).to(device),
+        prompt=torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=gen).to(device),
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats,
+        compile_backend="eager" if device.type == "cpu" else "inductor",
+    )
+
+    def compiles(scheme: str) -> bool:
+        return not args.skip_compile and (
+            args.compile_schemes == "all" or scheme in args.compile_schemes.split(",")
+        )
+
+    base = build_model(shape, device)
+    rows = [measure_model("bf16", lambda: base, work, True, compiles("bf16"))]
+    for scheme in schemes:
+        if scheme in BNB_SCHEMES:
+
+            def make(scheme: str = scheme) -> nn.Module:
+                return bnb_quantized(base, scheme)
+
+            rows.append(measure_model(scheme, make, work, False, compiles(scheme)))
+        else:
+
+            def make(scheme: str = scheme) -> nn.Module:
+                return qlens.quantize(base, scheme)
+
+            rows.append(measure_model(scheme, make, work, True, compiles(scheme)))
+    del base
+    free_memory()
+    return rows
+
+
+COLUMNS = (
+    "scheme",
+    "weights GiB",
+    "memory vs bf16",
+    "prefill ms",
+    "prefill speed-up vs bf16",
+    "cache resid_post ms",
+    "cache / bf16 prefill",
+    "decode tok/s",
+    "decode vs bf16",
+    "steered tok/s",
+    "HF prefill ms",
+    "HF decode tok/s",
+    "bridge overhead prefill",
+    "bridge overhead decode",
+    "compiled tok/s",
+    "compiled vs bf16",
+    "HF prefill vs NF4",
+    "HF decode vs NF4",
+)
+
+
+def table(rows: list[Row]) -> list[str]:
+    """Markdown rows: absolute numbers, then ratios (x > 1 is faster or smaller); a ratio is
+    empty where one side is missing."""
+    by_scheme = {row.scheme: row.cells for row in rows}
+    bf16, nf4 = by_scheme.get("bf16", {}), by_scheme.get("bnb-nf4", {})
+
+    def num(cells: dict, key: str) -> float | None:
+        value = cells.get(key)
+        return value if isinstance(value, float) else None
+
+    def ratio(top: float | None, bottom: float | None) -> str:
+        return f"{top / bottom:.2f}x" if top is not None and bottom else ""
+
+    def shown(cells: dict, key: str, scale: float = 1.0, style: str = ".1f") -> str:
+        value = cells.get(key)
+        if isinstance(value, float):
+            return format(value * scale, style)
+        return value if isinstance(value, str) else "-"
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    for row in rows:
+        c = row.cells
+        cells = [
+            row.scheme,
+            shown(c, "weights_gib", style=".3g"),
+            ratio(num(bf16, "weights_gib"), num(c, "weights_gib")),
+            shown(c, "prefill_s", 1e3),
+            ratio(num(bf16, "prefill_s"), num(c, "prefill_s")),
+            shown(c, "cache_s", 1e3),
+            ratio(num(c, "cache_s"), num(bf16, "prefill_s")),
+            shown(c, "decode"),
+            ratio(num(c, "decode"), num(bf16, "decode")),
+            shown(c, "steered_decode"),
+            shown(c, "hf_prefill_s", 1e3),
+            shown(c, "hf_decode"),
+            ratio(num(c, "prefill_s"), num(c, "hf_prefill_s")),
+            ratio(num(c, "hf_decode"), num(c, "decode")),
+            shown(c, "compiled_decode"),
+            ratio(num(c, "compiled_decode"), num(bf16, "compiled_decode")),
+            ratio(num(nf4, "hf_prefill_s"), num(c, "hf_prefill_s")),
+            ratio(num(c, "hf_decode"), num(nf4, "hf_decode")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", choices=("1b", "8b", "moe"), default=["1b"])
+    parser.add_argument(
+        "--schemes",
+        help="comma-separated qlens schemes and bnb-nf4/bnb-int8 to run besides bf16 (default: "
+        "every qlens scheme, and both bitsandbytes peers when bitsandbytes imports)",
+    )
+    parser.add_argument("--prefill-tokens", type=int, help="default 2048 (MoE 1024), tiny 16")
+    parser.add_argument("--decode-tokens", type=int, help="greedy tokens; default 64, tiny 4")
+    parser.add_argument("--repeats", type=int, help="timed runs per measurement; default 3")
+    parser.add_argument("--skip-compile", action="store_true", help="no compiled decode")
+    parser.add_argument(
+        "--compile-schemes",
+        default=",".join(DEFAULT_COMPILE),
+        help=f"rows whose compiled decode is timed, or 'all' (default {','.join(DEFAULT_COMPILE)})",
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny models, CPU allowed")
+    parser.add_argument("--out", help="also write the markdown to this file")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("full-size models need a CUDA GPU; on a CPU pass --tiny.")
+    args.decode_tokens = args.decode_tokens or (4 if args.tiny else 64)
+    args.repeats = args.repeats or (1 if args.tiny else 3)
+    return args
+
+
+def available_schemes(names: str | None) -> list[str]:
+    """qlens' schemes, then the bitsandbytes peers when ``bitsandbytes`` imports; filtered by
+    ``--schemes``, whose unknown names are an error."""
+    from qlens.quant.model_quantize import SCHEMES
+
+    known = [*SCHEMES, *BNB_SCHEMES]
+    if names is not None:
+        unknown = sorted(set(names.split(",")) - set(known) - {"bf16"})
+        if unknown:
+            raise SystemExit(f"unknown --schemes {unknown}; choose from {', '.join(known)}")
+    peers = list(BNB_SCHEMES) if bnb_importable() else []
+    chosen = select_schemes([(s, {}) for s in [*SCHEMES, *peers]], names)
+    return [scheme for scheme, _ in chosen]
+
+
+def bnb_importable() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    schemes = available_schemes(args.schemes)
+    libraries = ["transformers", *(["bitsandbytes"] if bnb_importable() else [])]
+    out = [
+        header(
+            "End-to-end models through qlens: bf16, qlens schemes and bitsandbytes"
+            + (" (tiny)" if args.tiny else ""),
+            f"wall clock, synchronized around each run, median of {args.repeats} runs after a "
+            f"warm-up; decode: {args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token "
+            "prompt, batch 1, tokens per second of the whole generate call",
+            libraries,
+        ),
+        "Ratios: speed-ups are bf16 (or NF4) time / this row's time; `cache / bf16 prefill` is "
+        "this row's run_with_cache time / bf16's plain bridge prefill; bridge overhead is the "
+        "bridge's time / the plain HF model's time on the same model (1.00x = no cost). "
+        "bitsandbytes rows run through plain HF only. Cells starting with `error:` are "
+        "measurements that failed.",
+        "",
+    ]
+    for size in args.sizes:
+        shape = shapes(args.tiny, args.prefill_tokens)[size]
+        out += [f"## {shape.label}, prefill {shape.prefill_tokens} tokens", ""]
+        out += table(measure_shape(shape, schemes, args, device))
+        out.append("")
+        print("\n".join(out[-len(schemes) - 4 :]), flush=True)
+    text = "\n".join(out)
+    publish(text, f"e2e_model_{'_'.join(args.sizes)}.md")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()
