@@ -154,7 +154,7 @@ def build_model(shape: Shape, device: torch.device) -> nn.Module:
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     config_class, model_class = families[shape.family]
-    config = config_class(**shape.config, max_position_embeddings=8192)
+    config = config_class(**shape.config, max_position_embeddings=8192, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         model = model_class._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)

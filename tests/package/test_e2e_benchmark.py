@@ -1,0 +1,122 @@
+"""benchmarks/e2e_model.py end to end on tiny models (CPU reference path), and its table logic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import e2e_model
+
+
+def cells_of(markdown: str, scheme: str) -> dict[str, str]:
+    """The table row of ``scheme`` under the first table in ``markdown``, by column name."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[1:]:
+        values = [c.strip() for c in line.strip("|").split("|")]
+        if values[0] == scheme:
+            return dict(zip(columns, values, strict=True))
+    raise AssertionError(f"no row {scheme} in:\n{markdown}")
+
+
+def test_tiny_run_measures_every_cell(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "e2e.md"
+    text = e2e_model.main(
+        ["--tiny", "--sizes", "1b", "--schemes", "int4,bnb-nf4", "--compile-schemes", "bf16"]
+        + ["--out", str(out)]
+    )
+    assert out.read_text() == text + "\n"
+    assert "- command: `python " in text and "transformers " in text
+    bf16, int4, nf4 = (cells_of(text, s) for s in ("bf16", "int4", "bnb-nf4"))
+    for row in (bf16, int4, nf4):
+        assert not any(v.startswith("error:") for v in row.values()), row
+    # Every bridge measurement of bf16 and int4 is a number; bitsandbytes runs plain HF only.
+    bridge_columns = ("prefill ms", "cache resid_post ms", "decode tok/s", "steered tok/s")
+    for column in (*bridge_columns, "HF prefill ms", "HF decode tok/s"):
+        assert float(bf16[column]) > 0 and float(int4[column]) > 0, column
+    assert all(nf4[column] == "-" for column in bridge_columns)
+    assert float(nf4["HF decode tok/s"]) > 0 and nf4["HF decode vs NF4"] == "1.00x"
+    assert float(bf16["compiled tok/s"]) > 0 and bf16["compiled vs bf16"] == "1.00x"
+    assert int4["compiled tok/s"] == "-"  # not in --compile-schemes
+    # int4 with group 128 stores 4.125 bits per weight against 16; embeddings and the
+    # unembedding stay bf16, so the tiny model shrinks less than 16 / 4.125.
+    assert bf16["memory vs bf16"] == "1.00x" and 1.2 < float(int4["memory vs bf16"][:-1]) < 3.9
+
+
+def test_weight_gib_counts_parameters_and_buffers_once():
+    model = e2e_model.build_model(e2e_model.shapes(True, None)["1b"], torch.device("cpu"))
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage
+    expected = sum(
+        t.numel() * t.element_size()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if name != "lm_head.weight"
+    )
+    assert e2e_model.weight_gib(model) * 2**30 == expected
+
+
+def test_bnb_weight_gib_includes_quantization_states():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = e2e_model.build_model(e2e_model.shapes(True, None)["1b"], torch.device("cpu"))
+    nf4 = e2e_model.bnb_quantized(model, "bnb-nf4")
+    layer = nf4.model.layers[0].mlp.down_proj
+    assert isinstance(layer, bnb.nn.Linear4bit)
+    linears = [m for m in nf4.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) == 2 * 7  # every linear of both layers, not lm_head
+    codes = sum(m.weight.numel() for m in linears)  # two 4-bit codes per byte
+    states = sum(m.weight.quant_state.absmax.nbytes for m in linears)
+    plain = sum(
+        t.nbytes
+        for name, t in [*nf4.named_parameters(), *nf4.named_buffers()]
+        if not any(name.startswith(f"{n}.") for n, m in nf4.named_modules() if m in linears)
+    )
+    assert e2e_model.weight_gib(nf4) * 2**30 >= plain + codes + states
+    assert e2e_model.weight_gib(nf4) < e2e_model.weight_gib(model)
+
+
+def test_a_failed_measurement_fills_its_cell_and_the_run_goes_on():
+    row = e2e_model.Row("int4")
+
+    def broken() -> float:
+        raise ValueError("no kernel | for this\nsecond line")
+
+    row.measure("decode", broken)
+    row.measure("prefill_s", lambda: 0.25)
+    assert row.cells == {"decode": "error: ValueError: no kernel \\| for this", "prefill_s": 0.25}
+
+
+def test_table_ratios_against_bf16_and_nf4():
+    rows = [
+        e2e_model.Row("bf16", {"weights_gib": 2.0, "prefill_s": 0.2, "decode": 50.0}),
+        e2e_model.Row(
+            "int4",
+            {"weights_gib": 0.5, "prefill_s": 0.25, "cache_s": 0.3, "decode": 100.0}
+            | {"hf_prefill_s": 0.2, "hf_decode": 125.0},
+        ),
+        e2e_model.Row("bnb-nf4", {"hf_prefill_s": 0.4, "hf_decode": 25.0, "decode": "error: X"}),
+    ]
+    text = "\n".join(e2e_model.table(rows))
+    int4 = cells_of(text, "int4")
+    assert int4["weights GiB"] == "0.5" and int4["memory vs bf16"] == "4.00x"
+    assert int4["prefill ms"] == "250.0" and int4["prefill speed-up vs bf16"] == "0.80x"
+    assert int4["cache / bf16 prefill"] == "1.50x" and int4["decode vs bf16"] == "2.00x"
+    assert int4["bridge overhead prefill"] == "1.25x"  # 0.25 s through the bridge, 0.2 s plain
+    assert int4["bridge overhead decode"] == "1.25x"  # 125 tok/s plain, 100 through the bridge
+    assert int4["HF prefill vs NF4"] == "2.00x" and int4["HF decode vs NF4"] == "5.00x"
+    nf4 = cells_of(text, "bnb-nf4")
+    assert nf4["decode tok/s"] == "error: X" and nf4["decode vs bf16"] == ""
+    assert nf4["compiled tok/s"] == "-" and math.isclose(float(nf4["HF decode tok/s"]), 25.0)
+
+
+def test_unknown_scheme_is_an_error_naming_the_choices():
+    with pytest.raises(SystemExit, match=r"unknown --schemes \['int3'\]; choose from fp8-block"):
+        e2e_model.available_schemes("int4,int3")
+
+
+def test_full_size_models_need_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        e2e_model.parse_args(["--sizes", "8b"])
+    assert "full-size models need a CUDA GPU; on a CPU pass --tiny." in capsys.readouterr().err
