@@ -124,9 +124,9 @@ class Bridge:
         self._running = False
 
     def _repr_html_(self) -> str:
-        from qlens.viz.repr import render_bridge_html
+        from qlens.rich_repr import render_html
 
-        return render_bridge_html(self)
+        return render_html("bridge", self)
 
     def __repr__(self) -> str:
         c = self.cfg

@@ -174,9 +174,9 @@ class ActivationCache:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from qlens.viz.repr import render_cache_html
+        from qlens.rich_repr import render_html
 
-        return render_cache_html(self)
+        return render_html("cache", self)
 
 
 def _stack_on_one_device(tensors: list[Tensor], what: str) -> Tensor:

@@ -78,9 +78,9 @@ class QuantPayload:
         )
 
     def _repr_html_(self) -> str:
-        from qlens.viz.repr import render_payload_html
+        from qlens.rich_repr import render_html
 
-        return render_payload_html(self)
+        return render_html("payload", self)
 
     def __repr__(self) -> str:
         parts = [f"format={self.format.name}", f"shape={list(self.shape)}"]

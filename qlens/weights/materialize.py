@@ -99,9 +99,7 @@ def prepare(bridge: Any, operation: str, *, dequantize: bool, inplace: bool) -> 
     summary = ProcessingSummary(dtype=str(dtype).removeprefix("torch."))
     for item in unreadable_weights(model):
         _materialize(model, item, dtype, operation, summary, bridge.adapter)
-    from qlens.bridge import Bridge
-
-    return Processed(Bridge(model, tokenizer=bridge.tokenizer), summary)
+    return Processed(type(bridge)(model, tokenizer=bridge.tokenizer), summary)
 
 
 def _planned_bytes(item: UnreadableWeight, dtype: torch.dtype, operation: str) -> int:
