@@ -8,7 +8,6 @@ set, writes it to ``$OUT/decode_check_h200.md``.
 from __future__ import annotations
 
 import torch
-
 from _timing import (
     header,
     publish,
@@ -17,6 +16,7 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
+
 from qlens.quant.quantize import quantize_weight
 
 CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))

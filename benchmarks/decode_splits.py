@@ -11,8 +11,6 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from _timing import (
     DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
@@ -24,6 +22,8 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
+
+from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.quant.quantize import quantize_weight
 
 # (label, scheme, quantize kwargs, w8a8, M, launch) ; splits are swept over each launch.

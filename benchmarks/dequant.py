@@ -17,9 +17,6 @@ from typing import no_type_check
 import torch
 import triton
 import triton.language as tl
-
-from qlens.kernels import dequantize_triton
-from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
 from _timing import (
     ONE_CALL_TIMING,
     copy_bandwidths,
@@ -29,6 +26,9 @@ from _timing import (
     time_graph,
     time_or_nan,
 )
+
+from qlens.kernels import dequantize_triton
+from qlens.kernels.dequant import GPU_DEQUANT_LAUNCH, DequantLaunch
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 

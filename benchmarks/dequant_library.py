@@ -13,9 +13,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-
-from qlens.kernels import dequantize_triton
-from qlens.kernels.dequant_launch import DequantLaunch
+from _samples import random_bitnet, random_bnb_4bit, random_bnb_int8, random_gguf
 from _timing import (
     ONE_CALL_TIMING,
     copy_bandwidths,
@@ -23,10 +21,12 @@ from _timing import (
     publish,
     time_or_nan,
 )
+
+from qlens.kernels import dequantize_triton
+from qlens.kernels.dequant_launch import DequantLaunch
 from qlens.quant.codecs.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
-from _samples import random_bitnet, random_bnb_4bit, random_bnb_int8, random_gguf
 
 N, K = 28672, 8192
 PAYLOADS: tuple[tuple[str, Callable[[], QuantPayload]], ...] = (

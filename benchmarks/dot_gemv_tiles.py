@@ -7,7 +7,6 @@ is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
 
 from __future__ import annotations
 
-from qlens.kernels import LinearConfig
 from _timing import (
     DECODE_LAYERS_8B,
     PACKED_4BIT_SCHEMES,
@@ -15,6 +14,8 @@ from _timing import (
     launch_sweep,
     publish,
 )
+
+from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (16, 4)
 SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))

@@ -300,9 +300,7 @@ def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) ->
     compiled ``generate`` (compiled state dropped afterwards)."""
     row.measure(
         "hf_prefill_s",
-        lambda: median_wall_s(
-            lambda: model(input_ids=work.tokens, use_cache=False), work.repeats
-        ),
+        lambda: median_wall_s(lambda: model(input_ids=work.tokens, use_cache=False), work.repeats),
     )
     row.measure("hf_decode", lambda: tokens_per_s(decode_call(hf_generate(model), work), work))
     if compiled:
@@ -437,8 +435,6 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
                 return qlens.quantize(base, scheme)
 
             rows.append(measure_model(scheme, make, work, True, compiles(scheme)))
-    del base
-    free_memory()
     return rows
 
 
@@ -585,6 +581,7 @@ def main(argv: list[str] | None = None) -> str:
         shape = shapes(args.tiny, args.prefill_tokens)[size]
         out += [f"## {shape.label}, prefill {shape.prefill_tokens} tokens", ""]
         out += table(measure_shape(shape, schemes, args, device))
+        free_memory()  # the shape's bf16 model went with measure_shape
         out.append("")
         print("\n".join(out[-len(schemes) - 4 :]), flush=True)
     text = "\n".join(out)

@@ -15,11 +15,11 @@ import pstats
 
 import torch
 import torch.nn.functional as F
+from _timing import header, publish, time_eager_loop
 
 import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
-from _timing import header, publish, time_eager_loop
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.quantize import quantize_weight
 

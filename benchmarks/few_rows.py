@@ -12,9 +12,6 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import dequantize_triton, quantized_linear
-from qlens.kernels.dispatch import default_config
 from _timing import (
     DECODE_LAYERS_8B,
     header,
@@ -27,6 +24,9 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
+
+from qlens.kernels import dequantize_triton, quantized_linear
+from qlens.kernels.dispatch import default_config
 from qlens.quant.quantize import quantize_weight
 
 SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))

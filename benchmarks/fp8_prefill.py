@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, ACT_QUANT_GROUPS, quantize_activations
 from _timing import (
     BENCHMARK_LAYERS,
     clone_payload,
@@ -30,6 +28,8 @@ from _timing import (
     time_graph,
     time_linear,
 )
+
+from qlens.kernels.fp8_w8a8 import ACT_QUANT_BLOCK_M, ACT_QUANT_GROUPS, quantize_activations
 from qlens.quant.quantize import quantize_weight
 
 ACT_SHAPES = ((1024, 4096), (4096, 4096), (1024, 14336), (4096, 8192), (4096, 14336))

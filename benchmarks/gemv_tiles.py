@@ -8,7 +8,6 @@ set, writes it to ``$OUT/gemv_tiles_h200.md``.
 
 from __future__ import annotations
 
-from qlens.kernels import LinearConfig
 from _timing import (
     DECODE_LAYERS_8B,
     PACKED_4BIT_SCHEMES,
@@ -16,6 +15,8 @@ from _timing import (
     launch_sweep,
     publish,
 )
+
+from qlens.kernels import LinearConfig
 
 SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))
 # (BLOCK_N, BLOCK_K, warps, stages)

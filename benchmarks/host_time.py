@@ -18,10 +18,10 @@ import sys
 import time
 
 import torch
+from _timing import publish
 
 import qlens.kernels.gemv as gemv
 from qlens.kernels import experts_linear, quantized_linear
-from _timing import publish
 from qlens.quant.quantize import quantize_weight
 
 CALLS = 2000

@@ -10,10 +10,6 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from kernels_decode import gemlite_layers
-
-from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
-from qlens.kernels.fp8_w8a8 import quantize_activations
 from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
@@ -25,6 +21,10 @@ from _timing import (
     time_graph,
     time_linear,
 )
+from kernels_decode import gemlite_layers
+
+from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
+from qlens.kernels.fp8_w8a8 import quantize_activations
 from qlens.quant.quantize import quantize_weight
 
 M_VALUES = (1, 16, 64, 256, 1024, 4096)

@@ -20,11 +20,6 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
-from qlens.kernels.configs import split_k_for
-from qlens.kernels.dispatch import default_config
-from qlens.kernels.gemv import WORD_GEMV_ENV
 from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
@@ -38,6 +33,11 @@ from _timing import (
     time_graph,
     time_linear,
 )
+
+from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
+from qlens.kernels.configs import split_k_for
+from qlens.kernels.dispatch import default_config
+from qlens.kernels.gemv import WORD_GEMV_ENV
 from qlens.quant.quantize import quantize_weight
 
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}

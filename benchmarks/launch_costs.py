@@ -16,9 +16,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-
-import qlens.kernels.gemv as gemv
-from qlens.kernels import quantized_linear
 from _timing import (
     DECODE_LAYERS_8B,
     header,
@@ -29,6 +26,9 @@ from _timing import (
     time_eager_loop,
     time_graph,
 )
+
+import qlens.kernels.gemv as gemv
+from qlens.kernels import quantized_linear
 from qlens.quant.quantize import quantize_weight
 
 SCHEMES = (("int4", {"group_size": 128}), ("mxfp4", {}))

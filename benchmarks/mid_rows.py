@@ -10,7 +10,6 @@ writes it to ``$OUT/mid_rows_h200.md``.
 
 from __future__ import annotations
 
-from qlens.kernels import LinearConfig
 from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
@@ -18,6 +17,8 @@ from _timing import (
     launch_sweep,
     publish,
 )
+
+from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (24, 32, 48, 64)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import quantized_linear
 from _timing import (
     DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
@@ -20,6 +18,8 @@ from _timing import (
     publish,
     time_graph,
 )
+
+from qlens.kernels import quantized_linear
 from qlens.quant.quantize import quantize_weight
 
 LAYERS = 32

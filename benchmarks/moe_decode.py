@@ -21,11 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import experts_linear, quantized_linear
-from qlens.kernels.configs import choose_config
-from qlens.kernels.experts import stacked_experts
-from qlens.kernels.gemv import experts_gemv
 from _timing import (
     PACKED_4BIT_SCHEMES,
     clone_payload,
@@ -36,6 +31,11 @@ from _timing import (
     time_eager,
     time_graph,
 )
+
+from qlens.kernels import experts_linear, quantized_linear
+from qlens.kernels.configs import choose_config
+from qlens.kernels.experts import stacked_experts
+from qlens.kernels.gemv import experts_gemv
 from qlens.quant.dequantize import dequantize
 from qlens.quant.modules.expert_payloads import select_expert
 from qlens.quant.quantize import quantize_weight

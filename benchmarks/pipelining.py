@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from _timing import (
     PACKED_4BIT_SCHEMES,
     header,
@@ -30,6 +28,8 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
+
+from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.quant.quantize import quantize_weight
 
 GEMV_SHAPES = ((28672, 8192), (4096, 4096), (14336, 4096))

@@ -10,9 +10,9 @@ Each launch runs once, on its first call (compile included on the host, not in t
 from __future__ import annotations
 
 import torch
+from _timing import seeded_weight
 
 from qlens.kernels import LinearConfig, quantized_linear
-from _timing import seeded_weight
 from qlens.quant.quantize import quantize_weight
 
 LAUNCHES = {

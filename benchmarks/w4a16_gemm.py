@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-from qlens.kernels import LinearConfig
 from _timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
@@ -21,6 +20,8 @@ from _timing import (
     publish,
     select_schemes,
 )
+
+from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (64, 256, 1024, 4096)
 # (activation rows, weight rows, K, warps, stages, K splits) per program.

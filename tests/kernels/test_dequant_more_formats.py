@@ -11,6 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks._samples import (
+    gguf_payload,
+    random_bitnet,
+    random_bnb_4bit,
+    random_bnb_int8,
+    random_gguf,
+    seeded_generator,
+)
 from qlens.kernels.dequant import dequantize_triton
 from qlens.kernels.dequant_bitnet import dequantize_bitnet_triton
 from qlens.kernels.dequant_bnb import dequantize_bnb_triton
@@ -22,14 +30,6 @@ from qlens.quant.codecs.bnb import BNB_INT8
 from qlens.quant.codecs.gguf import GGML_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, gguf_format
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
-from benchmarks._samples import (
-    gguf_payload,
-    random_bitnet,
-    random_bnb_4bit,
-    random_bnb_int8,
-    random_gguf,
-    seeded_generator,
-)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGUF_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
