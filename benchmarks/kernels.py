@@ -1,5 +1,6 @@
 """Quantized linear kernels vs bf16 ``F.linear``, cuBLAS blockwise FP8, gemlite (int4, group
-128, when installed) and dequantize-then-matmul.
+128, when installed), torch's tinygemm (``aten._weight_int4pack_mm``, int4 group 128) and
+dequantize-then-matmul.
 
 Run on a CUDA GPU: ``python benchmarks/kernels.py [--sweep] [--quick]``; prints markdown.
 """
@@ -21,6 +22,7 @@ from _timing import (
     time_graph,
     time_linear,
 )
+from _tinygemm import tinygemm_int4
 from kernels_decode import gemlite_layers
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
@@ -49,7 +51,7 @@ def scaled_mm_gemm_only(a, a_s, w_fp8, w_scales):
     )
 
 
-def _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite):
+def _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite, tinygemm):
     """Microseconds of every method at batch ``m``."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     res = {}
@@ -76,6 +78,10 @@ def _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite):
         run("gemlite_int4", [lambda layer=layer: layer(x) for layer in gemlite])
     else:
         res["gemlite_int4"] = float("nan")
+    if tinygemm:
+        run("tinygemm_int4", [lambda mm=mm: mm(x) for mm in tinygemm])
+    else:
+        res["tinygemm_int4"] = float("nan")
     run(
         "int4_dequant+mm",
         [lambda p=p: F.linear(x, dequantize_triton(p, torch.bfloat16)) for p in w4["int4"]],
@@ -103,14 +109,25 @@ def bench_shape(n, k, m_values, rows):
         for s, kw in PACKED_4BIT_SCHEMES
     }
     gemlite = gemlite_layers(w4["int4"], n, k)
+    tinygemm = tinygemm_layers(w4["int4"])
     for m in m_values:
-        res = _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite)
+        res = _bench_batch(m, n, k, ws_bf16, fp8, w4, gemlite, tinygemm)
         cfg = choose_config(m, n, k, torch.device("cuda"))
         rows.append((m, n, k, cfg.path, res))
         print(
             f"<!-- {m}x{n}x{k}: " + ", ".join(f"{a}={b:.1f}" for a, b in res.items()) + " -->",
             flush=True,
         )
+
+
+def tinygemm_layers(ps) -> list:
+    """tinygemm products over the int4 payloads ``ps`` (same codes and scales), or none where
+    this torch lacks the op or it refuses the shape."""
+    try:
+        return [tinygemm_int4(p) for p in ps]
+    except (RuntimeError, ValueError, AttributeError) as err:
+        print(f"<!-- tinygemm unavailable: {type(err).__name__}: {str(err)[:300]} -->", flush=True)
+        return []
 
 
 def _time_config(x, p, w8, cfg):
@@ -277,6 +294,7 @@ def main():
                 "bf16": 2.0,
                 "fp8_w8a8": 1.0 + 4 / 128**2,
                 "int4": 0.5 + 4 / 128,
+                "tinygemm_int4": 0.5 + 4 / 128,
                 "mxfp4": 0.5 + 1 / 32,
                 "nvfp4": 0.5 + 1 / 16,
             }
