@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 
+from qlens.kernels import launch_tables
+from qlens.kernels.launch_tables import Path, TableRow
 from qlens.kernels.runtime import cuda_index, gpu_name, interpreting
 from qlens.quant.codecs.checks import ceil_div
-
-Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
 
 
 def require_tile_sizes(minimum: int = 16, **sizes: int) -> None:
@@ -61,67 +60,11 @@ class LinearConfig:
 GEMV_MAX_M = 4
 SPLITK_MAX_M = 64
 GEMV_MAX_SPLIT = 4
-# One-row int4 GEMVs over at least this many weights take 8 x 1024 tiles pipelined 3 deep.
-INT4_LONG_TILE_WEIGHTS = 4096 * 14336
-# Packed 4-bit words take the packed GEMV up to this many rows on the H200; symmetric int4 keeps
-# that launch up to INT4_PACKED_GEMV_MAX_M rows (mid_rows_h200.md: at 64 rows
-# 1.14-1.66x faster than dequantize + cuBLAS for int4, MXFP4 0.80-1.11x, NVFP4 slower; from
-# 128 rows dequantize + cuBLAS wins).
-PACKED_GEMV_MAX_M = 32
-INT4_PACKED_GEMV_MAX_M = 64
-
-# H200 tables: (max M, path, block_m, block_n, block_k, num_warps, num_stages), first match wins.
-# From the sweeps on 28672 x 8192 (benchmarks/results/kernels_*h200.md). Packed 4-bit weights in
-# whole int32 words take the word-wise GEMV of decode_fast.py: for one row, narrow tiles whose
-# warps sit side by side along K (4 x 1024, 1 warp: int4 52 us vs 94 us for the byte-wise
-# kernel; 4 x 2048 on 2 warps when there are at most 8 such programs per SM,
-# gemv_tiles_h200.md); from 2 up to 16 rows, tensor-core dots per code position over 64 x 256
-# tiles (the fastest of four tiles for every scheme and benchmark layer,
-# benchmarks/results/dot_operand_order_h200.md), and up to 32 rows (int4: 64) the same dots
-# with 32 rows a program (mid_rows_h200.md: 1.26-4.23x faster than the split-K kernel at 32
-# rows).
-# Other weights take the byte-wise GEMV for one row (16 x 512 tiles, loads pipelined 4 deep:
-# fp8-block 63.9 us vs 73.5 us unpipelined at 32 x 256, benchmarks/results/pipelining_h200.md;
-# pipelining the word-wise one-row loop was slower) and the tensor-core split-K from 2 up to
-# 32 rows (the byte-wise GEMV runs one program per row: 0.45-0.64x bf16 at 4 rows, against
-# 1.13-1.41x for fp8-block on split-K at 8, benchmarks/results/few_rows_h200.md). Larger
-# batches dequantize once and multiply with cuBLAS. W8A8 hands batches above 16 rows to cuBLAS'
-# blockwise FP8 GEMM (faster than the Triton split-K from M = 64 on three of the four
-# benchmark shapes).
-# MXFP4 and NVFP4 (and asymmetric int4, whose words take this table too) from 33 to 64 rows take
-# the GEMM path (W x^T, the decoded weight the tensor cores' register operand) over 64 x 64 x 128
-# tiles with K split MID_ROWS_GEMM_SPLIT ways: at 64 rows 0.99-1.43x as fast as dequantize +
-# cuBLAS on the four benchmark layers (w4a16_gemm_h200.md, 2026-12-03 17:10), and at 40-64 rows
-# the fastest launch or within 5% of it for MXFP4 and NVFP4 (w4a16_mid_rows_h200.md, 17:19); from
-# 65 rows dequantize + cuBLAS wins (the GEMM path's best launch was 1.09-1.83x slower at 256
-# rows).
-_H200_PACKED_WORDS: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (1, "gemv", 16, 4, 1024, 1, 1),
-    (16, "gemv", 16, 64, 256, 4, 3),
-    (PACKED_GEMV_MAX_M, "gemv", 32, 64, 256, 4, 3),
-    (SPLITK_MAX_M, "gemm", 64, 64, 128, 4, 3),
-    (1 << 62, "dequant", 16, 16, 16, 4, 3),
-)
-MID_ROWS_GEMM_SPLIT = 4
-_H200_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (1, "gemv", 16, 16, 512, 4, 4),
-    (32, "splitk", 16, 128, 128, 4, 3),
-    (1 << 62, "dequant", 16, 16, 16, 4, 3),
-)
-_H200_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (16, "splitk", 16, 64, 128, 4, 4),
-    (1 << 62, "cublas", 128, 128, 128, 8, 3),
-)
-# Elsewhere the GEMVs' K loops stay unpipelined (measured on the H200 only).
-_DEFAULT_WEIGHT_ONLY: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (1, "gemv", 16, 64, 128, 4, 1),
-    (32, "splitk", 16, 64, 64, 4, 3),
-    (1 << 62, "dequant", 16, 16, 16, 4, 3),
-)
-_DEFAULT_W8A8: tuple[tuple[int, Path, int, int, int, int, int], ...] = (
-    (SPLITK_MAX_M, "splitk", 64, 64, 128, 4, 3),
-    (1 << 62, "gemm", 128, 128, 128, 8, 3),
-)
+# The H200 tables and their tuned constants, each with its evidence (launch_tables.py).
+PACKED_GEMV_MAX_M = launch_tables.PACKED_GEMV_MAX_M.value
+INT4_PACKED_GEMV_MAX_M = launch_tables.INT4_PACKED_GEMV_MAX_M.value
+INT4_LONG_TILE_WEIGHTS = launch_tables.INT4_LONG_TILE_WEIGHTS.value
+MID_ROWS_GEMM_SPLIT = launch_tables.MID_ROWS_GEMM_SPLIT.value
 
 
 def _next_pow2(x: int) -> int:
@@ -217,33 +160,37 @@ def _table_config(
 ) -> LinearConfig:
     """``choose_config`` on a GPU called ``name`` with ``sms`` SMs."""
     h200 = "H200" in name
+    table: tuple[TableRow, ...]
     if w8a8:
-        table = _H200_W8A8 if h200 else _DEFAULT_W8A8
+        table = launch_tables.H200_W8A8 if h200 else launch_tables.DEFAULT_W8A8
     elif packed_words and h200:
-        table = _H200_PACKED_WORDS
+        table = launch_tables.H200_PACKED_WORDS
     else:
-        table = _H200_WEIGHT_ONLY if h200 else _DEFAULT_WEIGHT_ONLY
+        table = launch_tables.H200_WEIGHT_ONLY if h200 else launch_tables.DEFAULT_WEIGHT_ONLY
     table_m = m
     if packed_words and h200 and int4 and m <= INT4_PACKED_GEMV_MAX_M:
         table_m = min(m, PACKED_GEMV_MAX_M)
-    for max_m, path, bm, bn, bk, warps, stages in table:
-        if table_m <= max_m:
-            cfg = LinearConfig(path, bm, bn, bk, num_warps=warps, num_stages=stages)
-            break
+    row = next(row for row in table if table_m <= row.max_m)
+    cfg = LinearConfig(
+        row.path,
+        row.block_m,
+        row.block_n,
+        row.block_k,
+        num_warps=row.num_warps,
+        num_stages=row.num_stages,
+    )
     if packed_words and h200 and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
-            # int4 on large layers: 8 rows a program, loads pipelined 3 deep (gemv_tiles_h200.md:
-            # 1.05-1.09x on the 28672-row layers, 1.06x over 4 x 2048 on 4096 x 14336; slower on
-            # the smaller 8B layers, and for MXFP4 / NVFP4 everywhere).
-            cfg = replace(cfg, block_n=8, num_stages=3)
-        elif ceil_div(n, cfg.block_n) <= 8 * sms:
-            # Few one-row programs: two warps side by side stream twice the K per step
-            # (gemv_tiles_h200.md, 13:59: on the 4096-row layers 1.02-1.15x faster than one warp
-            # over the same K and 1.04-1.36x faster than 4 x 1024; slower from 6144 rows).
-            cfg = replace(cfg, block_k=2048, num_warps=2)
+            cfg = replace(
+                cfg,
+                block_n=launch_tables.INT4_LONG_TILE_BLOCK_N.value,
+                num_stages=launch_tables.INT4_LONG_TILE_STAGES.value,
+            )
+        elif ceil_div(n, cfg.block_n) <= launch_tables.TWO_WARP_MAX_PROGRAMS_PER_SM.value * sms:
+            cfg = replace(cfg, block_k=launch_tables.TWO_WARP_BLOCK_K.value, num_warps=2)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, sms))
-    elif cfg.path == "gemm" and table is _H200_PACKED_WORDS:
+    elif cfg.path == "gemm" and table is launch_tables.H200_PACKED_WORDS:
         # Four K splits, each of at least four K steps.
         steps = ceil_div(k, cfg.block_k)
         cfg = replace(cfg, split_k=max(1, min(MID_ROWS_GEMM_SPLIT, steps // 4)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qlens.kernels import launch_tables
 from qlens.kernels.configs import LinearConfig, _table_config
 
 CASES = json.loads((Path(__file__).parent / "data" / "launch_table_choices.json").read_text())
@@ -24,3 +25,30 @@ def test_every_recorded_choice_is_unchanged():
 def test_the_record_covers_every_path():
     paths = {expected["path"] for _, expected in CASES}
     assert paths == {"gemv", "splitk", "gemm", "dequant", "cublas"}
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def cited_sections(evidence: str) -> list[tuple[str, str]]:
+    return [tuple(part.split(" § ", 1)) for part in evidence.split("; ")]  # type: ignore[misc]
+
+
+def test_every_table_row_and_constant_cites_a_recorded_measurement():
+    entries = [row.evidence for table in launch_tables.TABLES.values() for row in table]
+    entries += [tuned.evidence for tuned in launch_tables.TUNED.values()]
+    measured = [e for e in entries if e != launch_tables.FALLBACK]
+    assert len(measured) == 10 + len(launch_tables.TUNED)
+    for evidence in measured:
+        for filename, section in cited_sections(evidence):
+            text = (RESULTS / filename).read_text()
+            headings = [
+                line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")
+            ]
+            assert section == "top" or any(h.startswith(section) for h in headings), evidence
+
+
+def test_only_the_fallback_tables_cite_no_measurement():
+    for name, table in launch_tables.TABLES.items():
+        unmeasured = {row.evidence == launch_tables.FALLBACK for row in table}
+        assert unmeasured == {name.startswith("DEFAULT_")}, name

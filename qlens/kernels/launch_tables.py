@@ -1,0 +1,97 @@
+"""The launch tables as data: each row and tuned constant names the measurement that chose it,
+as ``file § section`` of ``benchmarks/results/`` (``§ top`` for the file's first table).
+docs/benchmarks.md ("Launch tables") gives the reasoning; ``qlens.kernels.configs`` reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Path = Literal["gemv", "splitk", "gemm", "dequant", "cublas"]
+ANY_M = 1 << 62
+FALLBACK = "fallback: not measured (GPUs other than the H200)"
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """Up to ``max_m`` rows take this launch (the first row that fits wins)."""
+
+    max_m: int
+    path: Path
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    evidence: str
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A tuned constant and the measurement that chose it."""
+
+    value: int
+    evidence: str
+
+
+# Rows handed to the packed GEMV on the H200, and symmetric int4's longer reach.
+PACKED_GEMV_MAX_M = Tuned(32, "mid_rows_h200.md § top; mid_rows_h200.md § 2026-12-03 14:28 run")
+INT4_PACKED_GEMV_MAX_M = Tuned(64, "mid_rows_h200.md § 2026-12-03 14:28 run")
+# One-row int4 GEMVs over at least this many weights take 8-row tiles pipelined 3 deep.
+INT4_LONG_TILE_WEIGHTS = Tuned(4096 * 14336, "gemv_tiles_h200.md § top")
+INT4_LONG_TILE_BLOCK_N = Tuned(8, "gemv_tiles_h200.md § top")
+INT4_LONG_TILE_STAGES = Tuned(3, "gemv_tiles_h200.md § top")
+# One-row packed GEMVs with at most this many programs per SM run two warps over longer K.
+TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "gemv_tiles_h200.md § top")
+TWO_WARP_BLOCK_K = Tuned(2048, "gemv_tiles_h200.md § top")
+# K splits of the 33-64-row GEMM path on packed words.
+MID_ROWS_GEMM_SPLIT = Tuned(4, "w4a16_gemm_h200.md § top; w4a16_mid_rows_h200.md § top")
+
+# Weights in whole int32 words of packed 4-bit codes (word-wise GEMV, packed GEMM) on the H200.
+H200_PACKED_WORDS: tuple[TableRow, ...] = (
+    TableRow(1, "gemv", 16, 4, 1024, 1, 1, "kernels_decode_h200.md § top; gemv_tiles_h200.md § top"),
+    TableRow(16, "gemv", 16, 64, 256, 4, 3, "dot_operand_order_h200.md § top"),
+    TableRow(32, "gemv", 32, 64, 256, 4, 3, "mid_rows_h200.md § top"),
+    TableRow(64, "gemm", 64, 64, 128, 4, 3, "w4a16_gemm_h200.md § top; w4a16_mid_rows_h200.md § top"),
+    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, "mid_rows_h200.md § 2026-12-03 14:28 run"),
+)  # fmt: skip
+# Other weight-only weights on the H200.
+H200_WEIGHT_ONLY: tuple[TableRow, ...] = (
+    TableRow(1, "gemv", 16, 16, 512, 4, 4, "pipelining_h200.md § One-row GEMV, us per call"),
+    TableRow(32, "splitk", 16, 128, 128, 4, 3, "few_rows_h200.md § Run 2"),
+    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, "kernels_h200.md § Time (us) and speed-up"),
+)
+# W8A8 (fp8-block weights and activations) on the H200.
+H200_W8A8: tuple[TableRow, ...] = (
+    TableRow(16, "splitk", 16, 64, 128, 4, 4, "kernels_sweep_h200.md § Launch sweep"),
+    TableRow(ANY_M, "cublas", 128, 128, 128, 8, 3, "kernels_h200.md § Time (us) and speed-up"),
+)
+# Other GPUs: the GEMVs' K loops unpipelined.
+DEFAULT_WEIGHT_ONLY: tuple[TableRow, ...] = (
+    TableRow(1, "gemv", 16, 64, 128, 4, 1, FALLBACK),
+    TableRow(32, "splitk", 16, 64, 64, 4, 3, FALLBACK),
+    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, FALLBACK),
+)
+DEFAULT_W8A8: tuple[TableRow, ...] = (
+    TableRow(64, "splitk", 64, 64, 128, 4, 3, FALLBACK),
+    TableRow(ANY_M, "gemm", 128, 128, 128, 8, 3, FALLBACK),
+)
+
+TABLES = {
+    "H200_PACKED_WORDS": H200_PACKED_WORDS,
+    "H200_WEIGHT_ONLY": H200_WEIGHT_ONLY,
+    "H200_W8A8": H200_W8A8,
+    "DEFAULT_WEIGHT_ONLY": DEFAULT_WEIGHT_ONLY,
+    "DEFAULT_W8A8": DEFAULT_W8A8,
+}
+TUNED = {
+    "PACKED_GEMV_MAX_M": PACKED_GEMV_MAX_M,
+    "INT4_PACKED_GEMV_MAX_M": INT4_PACKED_GEMV_MAX_M,
+    "INT4_LONG_TILE_WEIGHTS": INT4_LONG_TILE_WEIGHTS,
+    "INT4_LONG_TILE_BLOCK_N": INT4_LONG_TILE_BLOCK_N,
+    "INT4_LONG_TILE_STAGES": INT4_LONG_TILE_STAGES,
+    "TWO_WARP_MAX_PROGRAMS_PER_SM": TWO_WARP_MAX_PROGRAMS_PER_SM,
+    "TWO_WARP_BLOCK_K": TWO_WARP_BLOCK_K,
+    "MID_ROWS_GEMM_SPLIT": MID_ROWS_GEMM_SPLIT,
+}
