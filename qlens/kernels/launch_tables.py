@@ -1,5 +1,5 @@
 """The launch tables as data: each row and tuned constant names the measurement that chose it,
-as ``file § section`` of ``benchmarks/results/`` (``§ top`` for the file's first table).
+as ``file § section``, the file under ``benchmarks/`` (``§ top``: the file's first table).
 docs/benchmarks.md ("Launch tables") gives the reasoning; ``qlens.kernels.configs`` reads them.
 """
 
@@ -36,36 +36,54 @@ class Tuned:
 
 
 # Rows handed to the packed GEMV on the H200, and symmetric int4's longer reach.
-PACKED_GEMV_MAX_M = Tuned(32, "mid_rows_h200.md § top; mid_rows_h200.md § 2026-12-03 14:28 run")
-INT4_PACKED_GEMV_MAX_M = Tuned(64, "mid_rows_h200.md § 2026-12-03 14:28 run")
+PACKED_GEMV_MAX_M = Tuned(
+    32,
+    "tuning/results/mid_rows_h200.md § top; tuning/results/mid_rows_h200.md § 2026-12-03 14:28 run",
+)
+INT4_PACKED_GEMV_MAX_M = Tuned(64, "tuning/results/mid_rows_h200.md § 2026-12-03 14:28 run")
 # One-row int4 GEMVs over at least this many weights take 8-row tiles pipelined 3 deep.
-INT4_LONG_TILE_WEIGHTS = Tuned(4096 * 14336, "gemv_tiles_h200.md § top")
-INT4_LONG_TILE_BLOCK_N = Tuned(8, "gemv_tiles_h200.md § top")
-INT4_LONG_TILE_STAGES = Tuned(3, "gemv_tiles_h200.md § top")
+INT4_LONG_TILE_WEIGHTS = Tuned(4096 * 14336, "tuning/results/gemv_tiles_h200.md § top")
+INT4_LONG_TILE_BLOCK_N = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
+INT4_LONG_TILE_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § top")
 # One-row packed GEMVs with at most this many programs per SM run two warps over longer K.
-TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "gemv_tiles_h200.md § top")
-TWO_WARP_BLOCK_K = Tuned(2048, "gemv_tiles_h200.md § top")
+TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
+TWO_WARP_BLOCK_K = Tuned(2048, "tuning/results/gemv_tiles_h200.md § top")
 # K splits of the 33-64-row GEMM path on packed words.
-MID_ROWS_GEMM_SPLIT = Tuned(4, "w4a16_gemm_h200.md § top; w4a16_mid_rows_h200.md § top")
+MID_ROWS_GEMM_SPLIT = Tuned(
+    4, "tuning/results/w4a16_gemm_h200.md § top; tuning/results/w4a16_mid_rows_h200.md § top"
+)
 
 # Weights in whole int32 words of packed 4-bit codes (word-wise GEMV, packed GEMM) on the H200.
 H200_PACKED_WORDS: tuple[TableRow, ...] = (
-    TableRow(1, "gemv", 16, 4, 1024, 1, 1, "kernels_decode_h200.md § top; gemv_tiles_h200.md § top"),
-    TableRow(16, "gemv", 16, 64, 256, 4, 3, "dot_operand_order_h200.md § top"),
-    TableRow(32, "gemv", 32, 64, 256, 4, 3, "mid_rows_h200.md § top"),
-    TableRow(64, "gemm", 64, 64, 128, 4, 3, "w4a16_gemm_h200.md § top; w4a16_mid_rows_h200.md § top"),
-    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, "mid_rows_h200.md § 2026-12-03 14:28 run"),
+    TableRow(1, "gemv", 16, 4, 1024, 1, 1, "results/kernels_decode_h200.md § top; tuning/results/gemv_tiles_h200.md § top"),
+    TableRow(16, "gemv", 16, 64, 256, 4, 3, "results/archive/dot_operand_order_h200.md § top"),
+    TableRow(32, "gemv", 32, 64, 256, 4, 3, "tuning/results/mid_rows_h200.md § top"),
+    TableRow(64, "gemm", 64, 64, 128, 4, 3, "tuning/results/w4a16_gemm_h200.md § top; tuning/results/w4a16_mid_rows_h200.md § top"),
+    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, "tuning/results/mid_rows_h200.md § 2026-12-03 14:28 run"),
 )  # fmt: skip
 # Other weight-only weights on the H200.
 H200_WEIGHT_ONLY: tuple[TableRow, ...] = (
-    TableRow(1, "gemv", 16, 16, 512, 4, 4, "pipelining_h200.md § One-row GEMV, us per call"),
-    TableRow(32, "splitk", 16, 128, 128, 4, 3, "few_rows_h200.md § Run 2"),
-    TableRow(ANY_M, "dequant", 16, 16, 16, 4, 3, "kernels_h200.md § Time (us) and speed-up"),
+    TableRow(
+        1,
+        "gemv",
+        16,
+        16,
+        512,
+        4,
+        4,
+        "tuning/results/pipelining_h200.md § One-row GEMV, us per call",
+    ),
+    TableRow(32, "splitk", 16, 128, 128, 4, 3, "tuning/results/few_rows_h200.md § Run 2"),
+    TableRow(
+        ANY_M, "dequant", 16, 16, 16, 4, 3, "results/kernels_h200.md § Time (us) and speed-up"
+    ),
 )
 # W8A8 (fp8-block weights and activations) on the H200.
 H200_W8A8: tuple[TableRow, ...] = (
-    TableRow(16, "splitk", 16, 64, 128, 4, 4, "kernels_sweep_h200.md § Launch sweep"),
-    TableRow(ANY_M, "cublas", 128, 128, 128, 8, 3, "kernels_h200.md § Time (us) and speed-up"),
+    TableRow(16, "splitk", 16, 64, 128, 4, 4, "results/kernels_sweep_h200.md § Launch sweep"),
+    TableRow(
+        ANY_M, "cublas", 128, 128, 128, 8, 3, "results/kernels_h200.md § Time (us) and speed-up"
+    ),
 )
 # Other GPUs: the GEMVs' K loops unpipelined.
 DEFAULT_WEIGHT_ONLY: tuple[TableRow, ...] = (

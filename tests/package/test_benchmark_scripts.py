@@ -11,14 +11,15 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+TUNING = sorted(p for p in (BENCHMARKS / "tuning").glob("*.py") if not p.name.startswith("_"))
 
 
 def test_the_benchmarks_folder_has_scripts():
     assert len(SCRIPTS) >= 10, SCRIPTS
+    assert len(TUNING) >= 10, TUNING
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_benchmark_script_imports(script, monkeypatch):
+def load(script: Path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # scripts import their siblings, as when run
     spec = importlib.util.spec_from_file_location(f"bench_{script.stem}", script)
     assert spec is not None and spec.loader is not None
@@ -26,7 +27,22 @@ def test_benchmark_script_imports(script, monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
+    return module
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_benchmark_script_imports(script, monkeypatch):
+    module = load(script, monkeypatch)
     command = f"python benchmarks/{script.name}"
     assert module.__doc__ and command in module.__doc__, (
         f"{script.name}'s docstring lacks {command}"
+    )
+
+
+@pytest.mark.parametrize("script", TUNING, ids=lambda p: p.stem)
+def test_tuning_script_imports(script, monkeypatch):
+    module = load(script, monkeypatch)
+    command = f"python -m benchmarks.tuning.{script.stem}"
+    assert module.__doc__ and command in module.__doc__, (
+        f"tuning/{script.name}'s docstring lacks {command}"
     )

@@ -3,7 +3,7 @@ operand) at 64-4096 rows: a launch sweep against bf16 ``F.linear`` and the dispa
 (the packed GEMV to 32 rows, 64 for symmetric int4; this path from 33 to 64 rows for the
 others; dequantize + cuBLAS beyond), with every launch checked against the float32 product.
 
-Run on a CUDA GPU: ``python benchmarks/w4a16_gemm.py [--schemes int4,mxfp4] [--mid]``; prints
+Run on a CUDA GPU: ``python -m benchmarks.tuning.w4a16_gemm [--schemes int4,mxfp4] [--mid]``; prints
 markdown and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_h200.md`` (``--mid``:
 ``$OUT/w4a16_mid_rows_h200.md``).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from _timing import (
+from benchmarks._timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     header,
@@ -20,7 +20,6 @@ from _timing import (
     publish,
     select_schemes,
 )
-
 from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (64, 256, 1024, 4096)

@@ -2,7 +2,7 @@
 of each step of ``quantized_linear`` (back-to-back calls, one sync at the end), and the
 functions that take the most host time under ``cProfile``.
 
-Run on a CUDA GPU: ``python benchmarks/eager_profile.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.eager_profile``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/eager_profile_h200.md``.
 """
 
@@ -15,9 +15,9 @@ import pstats
 
 import torch
 import torch.nn.functional as F
-from _timing import header, publish, time_eager_loop
 
 import qlens.kernels.gemv as gemv
+from benchmarks._timing import header, publish, time_eager_loop
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.weights import kernel_weight

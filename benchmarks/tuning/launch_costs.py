@@ -6,7 +6,7 @@ graph (the regrouped row computed once beforehand), and that launch alone. Eager
 per call of a loop of back-to-back calls, synchronized once at the end, as an eager decode loop
 pays it (host work included).
 
-Run on a CUDA GPU: ``python benchmarks/launch_costs.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.launch_costs``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/launch_costs_h200.md``.
 """
 
@@ -16,7 +16,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from _timing import (
+
+import qlens.kernels.gemv as gemv
+from benchmarks._timing import (
     DECODE_LAYERS_8B,
     header,
     publish,
@@ -26,8 +28,6 @@ from _timing import (
     time_eager_loop,
     time_graph,
 )
-
-import qlens.kernels.gemv as gemv
 from qlens.kernels import quantized_linear
 from qlens.quant.quantize import quantize_weight
 

@@ -10,7 +10,7 @@ fp8-block, against bf16 ``F.linear`` in the same run.
 The dequantize kernel was swept the same way (several K tiles per program, pipelined) at commit
 f6d78d5; it stayed within 2% of one tile per program, and that variant was removed.
 
-Run on a CUDA GPU: ``python benchmarks/pipelining.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.pipelining``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/pipelining_h200.md``.
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _timing import (
+
+from benchmarks._timing import (
     PACKED_4BIT_SCHEMES,
     header,
     publish,
@@ -28,7 +29,6 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
-
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.quant.quantize import quantize_weight
 

@@ -1,14 +1,15 @@
 """Default-dispatch times of a few 4-bit (M, N, K) products against bf16 ``F.linear``: a quick
 check after a kernel change.
 
-Run on a CUDA GPU: ``python benchmarks/decode_check.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.decode_check``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/decode_check_h200.md``.
 """
 
 from __future__ import annotations
 
 import torch
-from _timing import (
+
+from benchmarks._timing import (
     header,
     publish,
     rotation,
@@ -16,7 +17,6 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
-
 from qlens.quant.quantize import quantize_weight
 
 CASES = ((1, 28672, 8192), (1, 4096, 14336), (16, 4096, 4096), (16, 4096, 14336), (16, 14336, 4096))

@@ -4,20 +4,19 @@ weight tile once for all of them) over 64- and 32-column tiles, unsplit and with
 compared 32-256 rows and 32-128 rows a program against the split-K kernel and dequantize +
 cuBLAS; ``mid_rows_h200.md`` keeps that table.)
 
-Run on a CUDA GPU: ``python benchmarks/mid_rows.py``; prints markdown and, when ``$OUT`` is set,
+Run on a CUDA GPU: ``python -m benchmarks.tuning.mid_rows``; prints markdown and, when ``$OUT`` is set,
 writes it to ``$OUT/mid_rows_h200.md``.
 """
 
 from __future__ import annotations
 
-from _timing import (
+from benchmarks._timing import (
     BENCHMARK_LAYERS,
     PACKED_4BIT_SCHEMES,
     header,
     launch_sweep,
     publish,
 )
-
 from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (24, 32, 48, 64)

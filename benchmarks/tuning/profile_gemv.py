@@ -2,7 +2,7 @@
 hardware-counter profile:
 
     ncu --clock-control none -k regex:packed_gemv --section SpeedOfLight --section Occupancy \
-        --section WarpStateStats --section SchedulerStats python benchmarks/profile_gemv.py
+        --section WarpStateStats --section SchedulerStats python -m benchmarks.tuning.profile_gemv
 
 Each launch runs once, on its first call (compile included on the host, not in the profile).
 """
@@ -10,8 +10,8 @@ Each launch runs once, on its first call (compile included on the host, not in t
 from __future__ import annotations
 
 import torch
-from _timing import seeded_weight
 
+from benchmarks._timing import seeded_weight
 from qlens.kernels import LinearConfig, quantized_linear
 from qlens.quant.quantize import quantize_weight
 

@@ -1,20 +1,19 @@
 """The packed 4-bit tensor-core GEMV at 16 and 4 rows: tiles, warps, pipelining depth and K splits on
 the 8B decode layers and the largest benchmark layer, against the dispatcher's choice.
 
-Run on a CUDA GPU: ``python benchmarks/dot_gemv_tiles.py``; prints markdown and, when ``$OUT``
+Run on a CUDA GPU: ``python -m benchmarks.tuning.dot_gemv_tiles``; prints markdown and, when ``$OUT``
 is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
 """
 
 from __future__ import annotations
 
-from _timing import (
+from benchmarks._timing import (
     DECODE_LAYERS_8B,
     PACKED_4BIT_SCHEMES,
     header,
     launch_sweep,
     publish,
 )
-
 from qlens.kernels import LinearConfig
 
 ROW_COUNTS = (16, 4)

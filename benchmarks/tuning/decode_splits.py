@@ -1,7 +1,7 @@
 """K splits for the decode launches on the linears of an 8B-shaped decode step, against the
 dispatcher's launch and bf16 (the partials summed in split order by a second launch).
 
-Run on a CUDA GPU: ``python benchmarks/decode_splits.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.decode_splits``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/decode_splits_h200.md``.
 """
 
@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from _timing import (
+
+from benchmarks._timing import (
     DECODE_LAYERS_8B,
     LAUNCH_ERRORS,
     header,
@@ -22,7 +23,6 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
-
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.quant.quantize import quantize_weight
 

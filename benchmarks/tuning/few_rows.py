@@ -2,7 +2,7 @@
 against bf16 ``F.linear``, on the 8B decode layers and the largest benchmark layer, for every
 weight-only scheme the kernels read.
 
-Run on a CUDA GPU: ``python benchmarks/few_rows.py``; prints markdown and, when ``$OUT`` is set,
+Run on a CUDA GPU: ``python -m benchmarks.tuning.few_rows``; prints markdown and, when ``$OUT`` is set,
 writes it to ``$OUT/few_rows_h200.md``.
 """
 
@@ -12,7 +12,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from _timing import (
+
+from benchmarks._timing import (
     DECODE_LAYERS_8B,
     header,
     launch_label,
@@ -24,7 +25,6 @@ from _timing import (
     time_bf16_linear,
     time_linear,
 )
-
 from qlens.kernels import dequantize_triton, quantized_linear
 from qlens.kernels.dispatch import default_config
 from qlens.quant.quantize import quantize_weight

@@ -2,20 +2,19 @@
 program, K per loop step, warps (side by side along K, 1024 K each, so ``x`` keeps the words'
 layout) and pipelining depth, against the dispatcher's launch.
 
-Run on a CUDA GPU: ``python benchmarks/gemv_tiles.py``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/gemv_tiles_h200.md``.
 """
 
 from __future__ import annotations
 
-from _timing import (
+from benchmarks._timing import (
     DECODE_LAYERS_8B,
     PACKED_4BIT_SCHEMES,
     header,
     launch_sweep,
     publish,
 )
-
 from qlens.kernels import LinearConfig
 
 SHAPES = (*DECODE_LAYERS_8B, (28672, 8192))
