@@ -72,3 +72,18 @@ def test_the_scan_sees_imports_inside_functions():
     # cache at the top of its modules.
     assert "qlens.rich_repr" in imported_modules("qlens.bridge.bridge")
     assert "qlens.bridge.cache" in reachable_from("qlens.viz")
+
+
+# The benchmarks folder as a package, and its helpers as the scripts import them.
+BENCHMARK_MODULES = {"benchmarks", "_timing", "_samples", "_tinygemm"}
+
+
+def test_the_package_never_imports_the_benchmarks():
+    offenders = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            offenders += [(name, n) for n in names if n.split(".")[0] in BENCHMARK_MODULES]
+    assert not offenders
