@@ -30,19 +30,14 @@ def load(script: Path, monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_benchmark_script_imports(script, monkeypatch):
+COMMANDS = [(p, f"python benchmarks/{p.name}") for p in SCRIPTS] + [
+    (p, f"python -m benchmarks.tuning.{p.stem}") for p in TUNING
+]
+
+
+@pytest.mark.parametrize(("script", "command"), COMMANDS, ids=[c for _, c in COMMANDS])
+def test_benchmark_script_imports(script, command, monkeypatch):
     module = load(script, monkeypatch)
-    command = f"python benchmarks/{script.name}"
     assert module.__doc__ and command in module.__doc__, (
         f"{script.name}'s docstring lacks {command}"
-    )
-
-
-@pytest.mark.parametrize("script", TUNING, ids=lambda p: p.stem)
-def test_tuning_script_imports(script, monkeypatch):
-    module = load(script, monkeypatch)
-    command = f"python -m benchmarks.tuning.{script.stem}"
-    assert module.__doc__ and command in module.__doc__, (
-        f"tuning/{script.name}'s docstring lacks {command}"
     )
