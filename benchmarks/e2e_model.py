@@ -52,6 +52,7 @@ from torch import nn  # noqa: E402
 from benchmarks._timing import header, median_wall_s, publish, select_schemes  # noqa: E402
 
 PROMPT_TOKENS = 32
+WARMUP_TOKENS = 4  # new tokens of an eager decode's warm-up call
 BNB_SCHEMES = ("bnb-nf4", "bnb-int8")
 DEFAULT_COMPILE = ("bf16", "int4", "bnb-nf4")
 LLAMA_1B = dict(
@@ -164,9 +165,10 @@ def build_model(shape: Shape, device: torch.device) -> nn.Module:
 
 
 def bnb_quantized(model: nn.Module, kind: str) -> nn.Module:
-    """A copy of ``model`` whose linear layers (all but ``lm_head``) are bitsandbytes NF4
+    """A copy of ``model`` whose ``nn.Linear`` layers (all but ``lm_head``) are bitsandbytes NF4
     (``kind="bnb-nf4"``, bf16 compute) or LLM.int8 (``"bnb-int8"``, outlier threshold 6.0)
-    modules, quantized from the same weights as transformers' ``BitsAndBytesConfig`` loader."""
+    modules, quantized from the same weights as transformers' loader does with a default
+    ``BitsAndBytesConfig`` (blocks of 64, no double quantization). Fused MoE experts stay bf16."""
     import bitsandbytes as bnb
 
     device = next(model.parameters()).device
@@ -187,7 +189,11 @@ def bnb_quantized(model: nn.Module, kind: str) -> nn.Module:
                     device="meta",
                 )
                 new.weight = bnb.nn.Params4bit(
-                    child.weight.data, requires_grad=False, quant_type="nf4", module=new
+                    child.weight.data,
+                    requires_grad=False,
+                    quant_type="nf4",
+                    compress_statistics=False,  # bnb_4bit_use_double_quant=False, the default
+                    module=new,
                 ).to(device)
             else:
                 new = bnb.nn.Linear8bitLt(
@@ -265,26 +271,32 @@ class Workload:
     compile_backend: str
 
 
-def decode_call(generate: Callable[..., torch.Tensor], work: Workload, **kwargs) -> Callable:
-    """A greedy ``generate`` of ``work.decode_tokens`` tokens after the prompt, checked to have
-    produced them all."""
+def decode_call(
+    generate: Callable[..., torch.Tensor], work: Workload, new_tokens: int, **kwargs
+) -> Callable[[], None]:
+    """A greedy ``generate`` of ``new_tokens`` tokens after the prompt, checked to have produced
+    them all."""
 
     def run() -> None:
-        out = generate(
-            work.prompt,
-            max_new_tokens=work.decode_tokens,
-            do_sample=False,
-            **kwargs,
-        )
-        expected = work.prompt.shape[1] + work.decode_tokens
+        out = generate(work.prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+        expected = work.prompt.shape[1] + new_tokens
         if out.shape[1] != expected:
             raise RuntimeError(f"generate returned {out.shape[1]} tokens, not {expected}")
 
     return run
 
 
-def tokens_per_s(run: Callable[[], None], work: Workload, warmup: int = 1) -> float:
-    return work.decode_tokens / median_wall_s(run, work.repeats, warmup)
+def tokens_per_s(
+    generate: Callable[..., torch.Tensor], work: Workload, compiled: bool = False, **kwargs
+) -> float:
+    """Decode tokens per second of ``generate``: the median of ``work.repeats`` calls after a
+    warm-up call of a few tokens (compiled: two of full length, which compile and record the
+    CUDA graphs for the static cache of that length)."""
+    full = decode_call(generate, work, work.decode_tokens, **kwargs)
+    warmups = [full, full] if compiled else [decode_call(generate, work, WARMUP_TOKENS, **kwargs)]
+    for warmup in warmups:
+        warmup()
+    return work.decode_tokens / median_wall_s(full, work.repeats, warmup=0)
 
 
 def hf_generate(model: nn.Module) -> Callable[..., torch.Tensor]:
@@ -302,7 +314,7 @@ def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) ->
         "hf_prefill_s",
         lambda: median_wall_s(lambda: model(input_ids=work.tokens, use_cache=False), work.repeats),
     )
-    row.measure("hf_decode", lambda: tokens_per_s(decode_call(hf_generate(model), work), work))
+    row.measure("hf_decode", lambda: tokens_per_s(hf_generate(model), work))
     if compiled:
         row.measure("compiled_decode", lambda: compiled_tokens_per_s(model, work))
         forget_compiled(model)
@@ -316,11 +328,9 @@ def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     else:
         config = CompileConfig(fullgraph=False, backend=work.compile_backend, mode="default")
         config._compile_all_devices = True  # transformers compiles on the GPU only otherwise
-    run = decode_call(
-        hf_generate(model), work, cache_implementation="static", compile_config=config
+    return tokens_per_s(
+        hf_generate(model), work, True, cache_implementation="static", compile_config=config
     )
-    # Two warm-ups: the first compiles, the second records the CUDA graphs.
-    return tokens_per_s(run, work, warmup=2)
 
 
 def forget_compiled(model: nn.Module) -> None:
@@ -355,7 +365,7 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
         ),
     )
     generate = bridge_generate(bridge)
-    row.measure("decode", lambda: tokens_per_s(decode_call(generate, work), work))
+    row.measure("decode", lambda: tokens_per_s(generate, work))
     layer = bridge.cfg.n_layers // 2
     direction = torch.randn(
         bridge.cfg.d_model,
@@ -367,7 +377,7 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
 
     def steered() -> float:
         with bridge.hooks(fwd_hooks=[(f"blocks.{layer}.hook_resid_post", steer)]):
-            return tokens_per_s(decode_call(generate, work), work)
+            return tokens_per_s(generate, work)
 
     row.measure("steered_decode", steered)
 
@@ -544,6 +554,8 @@ def available_schemes(names: str | None) -> list[str]:
         if unknown:
             raise SystemExit(f"unknown --schemes {unknown}; choose from {', '.join(known)}")
     peers = list(BNB_SCHEMES) if bnb_importable() else []
+    if names is not None and not peers and set(names.split(",")) & set(BNB_SCHEMES):
+        raise SystemExit("--schemes names bitsandbytes peers, but `import bitsandbytes` fails")
     chosen = select_schemes([(s, {}) for s in [*SCHEMES, *peers]], names)
     return [scheme for scheme, _ in chosen]
 
@@ -573,7 +585,8 @@ def main(argv: list[str] | None = None) -> str:
         "Ratios: speed-ups are bf16 (or NF4) time / this row's time; `cache / bf16 prefill` is "
         "this row's run_with_cache time / bf16's plain bridge prefill; bridge overhead is the "
         "bridge's time / the plain HF model's time on the same model (1.00x = no cost). "
-        "bitsandbytes rows run through plain HF only. Cells starting with `error:` are "
+        "bitsandbytes rows run through plain HF only, and quantize `nn.Linear` layers only (the "
+        "MoE's fused experts stay bf16). Cells starting with `error:` are "
         "measurements that failed.",
         "",
     ]

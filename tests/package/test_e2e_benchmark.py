@@ -120,3 +120,19 @@ def test_full_size_models_need_a_gpu(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         e2e_model.parse_args(["--sizes", "8b"])
     assert "full-size models need a CUDA GPU; on a CPU pass --tiny." in capsys.readouterr().err
+
+
+def test_bitsandbytes_peers_named_without_bitsandbytes_are_an_error(monkeypatch):
+    monkeypatch.setattr(e2e_model, "bnb_importable", lambda: False)
+    assert "bnb-nf4" not in e2e_model.available_schemes(None)
+    with pytest.raises(
+        SystemExit, match="names bitsandbytes peers, but `import bitsandbytes` fails"
+    ):
+        e2e_model.available_schemes("int4,bnb-nf4")
+
+
+def test_tiny_moe_has_the_configured_experts():
+    model = e2e_model.build_model(e2e_model.shapes(True, None)["moe"], torch.device("cpu"))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 2 * 64, 128)
+    assert model.config.num_experts_per_tok == 2 and model.generation_config.eos_token_id is None
