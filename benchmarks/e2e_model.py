@@ -430,7 +430,11 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
             args.compile_schemes == "all" or scheme in args.compile_schemes.split(",")
         )
 
-    base = build_model(shape, device)
+    try:
+        base = build_model(shape, device)
+    except Exception as err:  # noqa: BLE001 - the other shapes still run
+        free_memory()
+        return [Row("bf16", {"weights_gib": error_cell(err)})]
     rows = [measure_model("bf16", lambda: base, work, True, compiles("bf16"))]
     for scheme in schemes:
         if scheme in BNB_SCHEMES:

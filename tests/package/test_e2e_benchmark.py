@@ -136,3 +136,22 @@ def test_tiny_moe_has_the_configured_experts():
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 2 * 64, 128)
     assert model.config.num_experts_per_tok == 2 and model.generation_config.eos_token_id is None
+
+
+def test_a_shape_whose_model_cannot_be_built_reports_it(monkeypatch):
+    def no_memory(shape, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(e2e_model, "build_model", no_memory)
+    args = e2e_model.parse_args(["--tiny", "--sizes", "1b"])
+    rows = e2e_model.measure_shape(
+        e2e_model.shapes(True, None)["1b"], ["int4"], args, torch.device("cpu")
+    )
+    assert [(r.scheme, r.cells) for r in rows] == [
+        (
+            "bf16",
+            {
+                "weights_gib": "error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+            },
+        )
+    ]
