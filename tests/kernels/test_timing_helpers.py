@@ -97,3 +97,21 @@ def test_select_schemes_keeps_the_named_schemes_in_order():
     assert timing.select_schemes(schemes, None) == list(schemes)
     assert timing.select_schemes(schemes, "nvfp4,int4") == [schemes[0], schemes[2], schemes[3]]
     assert timing.select_schemes(schemes, "fp8-block") == []
+
+
+def test_median_wall_s_warms_up_then_takes_the_median(monkeypatch):
+    clock = iter([0.0, 3.0, 10.0, 11.0, 20.0, 25.0])  # runs of 3, 1 and 5 seconds
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    calls: list[int] = []
+    assert timing.median_wall_s(lambda: calls.append(1), repeats=3, warmup=2) == 3.0
+    assert len(calls) == 5
+
+
+def test_header_names_the_device_and_the_libraries(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = timing.header("T", "timed so", ["transformers"])
+    import transformers
+
+    assert text.startswith("# T\n")
+    assert "- GPU: none: CPU " in text and "- timing: timed so" in text
+    assert f", transformers {transformers.__version__}\n" in text
