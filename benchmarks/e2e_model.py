@@ -20,8 +20,8 @@ Every measurement is isolated: a failure (a compile that breaks, memory) is writ
 cell and the run goes on. Timings are medians of ``--repeats`` wall-clock runs after a warm-up,
 synchronized around each run.
 
-Run on a CUDA GPU, one size per invocation (each about 2-4 minutes on an H200; all three about
-8 minutes, most of it compiling):
+Run on a CUDA GPU, one size per invocation (each sized to stay well inside 10 minutes on an
+H200, the three together about 8 minutes, much of it compiling; trim with the options below):
     python benchmarks/e2e_model.py --sizes 1b --out e2e_model_1b.md
     python benchmarks/e2e_model.py --sizes 8b --out e2e_model_8b.md
     python benchmarks/e2e_model.py --sizes moe --out e2e_model_moe.md
