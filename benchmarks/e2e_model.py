@@ -89,6 +89,7 @@ QWEN3_MOE = dict(
     num_experts_per_tok=8,
     norm_topk_prob=True,
     vocab_size=151936,
+    rope_theta=1000000.0,
     tie_word_embeddings=False,
 )
 TINY_LLAMA = dict(
