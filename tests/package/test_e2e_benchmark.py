@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from benchmarks import _e2e_models as models
 from benchmarks import e2e_model
 
 
@@ -47,20 +48,20 @@ def test_tiny_run_measures_every_cell(tmp_path):
 
 
 def test_weight_gib_counts_parameters_and_buffers_once():
-    model = e2e_model.build_model(e2e_model.shapes(True, None)["1b"], torch.device("cpu"))
+    model = models.build_model(models.shapes(True, None)["1b"], torch.device("cpu"))
     model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage
     expected = sum(
         t.numel() * t.element_size()
         for name, t in [*model.named_parameters(), *model.named_buffers()]
         if name != "lm_head.weight"
     )
-    assert e2e_model.weight_gib(model) * 2**30 == expected
+    assert models.weight_gib(model) * 2**30 == expected
 
 
 def test_bnb_weight_gib_includes_quantization_states():
     bnb = pytest.importorskip("bitsandbytes")
-    model = e2e_model.build_model(e2e_model.shapes(True, None)["1b"], torch.device("cpu"))
-    nf4 = e2e_model.bnb_quantized(model, "bnb-nf4")
+    model = models.build_model(models.shapes(True, None)["1b"], torch.device("cpu"))
+    nf4 = models.bnb_quantized(model, "bnb-nf4")
     layer = nf4.model.layers[0].mlp.down_proj
     assert isinstance(layer, bnb.nn.Linear4bit)
     linears = [m for m in nf4.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -72,8 +73,8 @@ def test_bnb_weight_gib_includes_quantization_states():
         for name, t in [*nf4.named_parameters(), *nf4.named_buffers()]
         if not any(name.startswith(f"{n}.") for n, m in nf4.named_modules() if m in linears)
     )
-    assert e2e_model.weight_gib(nf4) * 2**30 >= plain + codes + states
-    assert e2e_model.weight_gib(nf4) < e2e_model.weight_gib(model)
+    assert models.weight_gib(nf4) * 2**30 >= plain + codes + states
+    assert models.weight_gib(nf4) < models.weight_gib(model)
 
 
 def test_a_failed_measurement_fills_its_cell_and_the_run_goes_on():
@@ -132,7 +133,7 @@ def test_bitsandbytes_peers_named_without_bitsandbytes_are_an_error(monkeypatch)
 
 
 def test_tiny_moe_has_the_configured_experts():
-    model = e2e_model.build_model(e2e_model.shapes(True, None)["moe"], torch.device("cpu"))
+    model = models.build_model(models.shapes(True, None)["moe"], torch.device("cpu"))
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (4, 2 * 64, 128)
     assert model.config.num_experts_per_tok == 2 and model.generation_config.eos_token_id is None
@@ -142,10 +143,10 @@ def test_a_shape_whose_model_cannot_be_built_reports_it(monkeypatch):
     def no_memory(shape, device):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(e2e_model, "build_model", no_memory)
+    monkeypatch.setattr(e2e_model, "build_model", no_memory)  # as measure_shape finds it
     args = e2e_model.parse_args(["--tiny", "--sizes", "1b"])
     rows = e2e_model.measure_shape(
-        e2e_model.shapes(True, None)["1b"], ["int4"], args, torch.device("cpu")
+        models.shapes(True, None)["1b"], ["int4"], args, torch.device("cpu")
     )
     assert [(r.scheme, r.cells) for r in rows] == [
         (
