@@ -106,9 +106,17 @@ def _load_from_source(
         if "device_map" in kwargs:
             raise TypeError("Pass either device= or device_map=, not both.")
         kwargs["device_map"] = device
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
-    )
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except RuntimeError as error:
+        from qlens.quant.adopt.compressed_tensors import explain_load_failure
+
+        explained = explain_load_failure(config, error)
+        if explained is None:
+            raise
+        raise explained from error
     hf_model.eval()
     if tokenizer is None:
         tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)

@@ -22,6 +22,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from qlens.quant.adopt.compressed_tensors import (
+    detach_decompress_hook,
+    is_compressed_tensors_module,
+    reattach_decompress_hook,
+)
 from qlens.quant.modules.dispatch import (
     check_payload_device,
     fused_experts_forward,
@@ -53,6 +58,11 @@ def own_forward_problem(module: nn.Module) -> str | None:
         if getattr(module, "workspace", None) is None:
             return "its FLUTE workspace is not set (HIGGS needs a GPU-tuned workspace and kernel)"
         return None
+    if is_compressed_tensors_module(module):
+        return (
+            "compressed-tensors decompresses it in place into a float weight on the model's "
+            "first forward; qlens keeps it packed"
+        )
     if cls == "Mxfp4GptOssExperts":
         from transformers.integrations import mxfp4
 
@@ -104,6 +114,8 @@ def reroute_quantized_modules(
                 module.forward = types.MethodType(_mxfp4_mlp_forward, module)
                 rerouted.append(name)
                 logger.info("rerouted %s (Mxfp4GptOssMLP): routing by its router module", name)
+    if rerouted and detach_decompress_hook(model):
+        logger.info("detached compressed-tensors' decompress-on-first-forward hook")
     if rerouted:
         logger.warning(
             "qlens rerouted %d quantized modules through its own forward (exact dequantized "
@@ -119,8 +131,13 @@ def restore_own_forward(model: nn.Module) -> list[str]:
     restored = []
     for name, module in model.named_modules():
         if _is_rerouted(module):
+            own = module.__dict__.get("_qlens_own_forward")
             del module.forward
+            if own is not None:  # an instance forward the library had set (compressed-tensors)
+                module.forward = own
+                del module._qlens_own_forward
             restored.append(name)
+    reattach_decompress_hook(model)
     return restored
 
 
@@ -141,6 +158,9 @@ def _first_weight(module: nn.Module) -> Tensor | None:
 
 
 def _reroute(module: nn.Module) -> None:
+    own = module.__dict__.get("forward")
+    if own is not None:
+        module._qlens_own_forward = own
     if _first_weight(module) is not None or type(module).__name__ == "Mxfp4GptOssExperts":
         module.forward = types.MethodType(_experts_forward, module)
     else:

@@ -120,6 +120,17 @@ def _dequantize_module(module: nn.Module) -> Tensor | dict[str, Tensor]:
     return dequantize(module)
 
 
+# Libraries whose tensor subclasses rebuild their float values with their own dequantize().
+_OWN_DEQUANTIZE_LIBRARIES = ("torchao.", "optimum.quanto.")
+
+
+def has_own_dequantize(weight: object) -> bool:
+    """A tensor subclass of a library whose ``dequantize()`` rebuilds the float weight."""
+    return isinstance(weight, Tensor) and f"{type(weight).__module__}.".startswith(
+        _OWN_DEQUANTIZE_LIBRARIES
+    )
+
+
 def _dequantize_tensor(weight: Any, operation: str, reason: str) -> Tensor:
     from qlens.quant.payload import QuantPayload
 
@@ -127,11 +138,11 @@ def _dequantize_tensor(weight: Any, operation: str, reason: str) -> Tensor:
         from qlens.quant.dequantize import dequantize
 
         return dequantize(weight)
-    # Only tensor subclasses (torchao, optimum-quanto) carry their own exact dequantize();
-    # torch.Tensor.dequantize on a plain integer tensor would just cast the codes.
+    # Only the quantized tensor subclasses of known libraries (torchao, optimum-quanto) carry an
+    # exact dequantize(); others (bitsandbytes' Int8Params) inherit torch.Tensor.dequantize,
+    # which on integer codes only casts them.
     own = getattr(weight, "dequantize", None)
-    subclass = isinstance(weight, Tensor) and type(weight) not in (Tensor, nn.Parameter)
-    if subclass and not _is_meta(weight) and callable(own):
+    if has_own_dequantize(weight) and not _is_meta(weight) and callable(own):
         try:
             value = own()
         except (RuntimeError, NotImplementedError, TypeError) as error:

@@ -79,13 +79,24 @@ def _is_linear4bit(module: nn.Module) -> bool:
     return getattr(weight, "quant_state", None) is not None
 
 
-def _is_linear8bit(module: nn.Module) -> bool:
+def int8_row_scales(module: nn.Module) -> torch.Tensor | None:
+    """The row scales (``SCB``) of a bitsandbytes int8 linear, wherever bitsandbytes keeps them.
+
+    ``Int8Params.SCB`` holds them until the module's first forward, which moves them to
+    ``module.state.SCB`` and sets the weight's to None.
+    """
     weight = getattr(module, "weight", None)
-    return (
-        isinstance(weight, torch.Tensor)
-        and weight.dtype == torch.int8
-        and getattr(weight, "SCB", None) is not None
-    )
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.int8:
+        return None
+    for holder in (weight, getattr(module, "state", None)):
+        scb = getattr(holder, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            return scb
+    return None
+
+
+def _is_linear8bit(module: nn.Module) -> bool:
+    return int8_row_scales(module) is not None
 
 
 @register_adopter("bitsandbytes Linear4bit (Params4bit with quant_state)", _is_linear4bit)
@@ -94,13 +105,16 @@ def adopt_linear4bit(module: nn.Module) -> QuantPayload:
     return payload_from_bnb_4bit(weight.data, weight.quant_state)
 
 
-@register_adopter("bitsandbytes Linear8bitLt (Int8Params with SCB)", _is_linear8bit)
+@register_adopter(
+    "bitsandbytes Linear8bitLt (Int8Params with SCB, before or after its first forward)",
+    _is_linear8bit,
+)
 def adopt_linear8bit(module: nn.Module) -> QuantPayload:
     weight: Any = module.weight
     return QuantPayload(
         format=BNB_INT8,
         data=weight.data,
         shape=tuple(weight.shape),
-        scales=weight.SCB,
+        scales=int8_row_scales(module),
         layout={"packing": PACKING},
     )

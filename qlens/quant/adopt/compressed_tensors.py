@@ -1,8 +1,10 @@
 """compressed-tensors quantized ``nn.Linear`` modules, before their first forward.
 
 compressed-tensors keeps the compressed parameters (``weight_packed``/``weight`` + ``weight_scale``
-...) on a plain ``nn.Linear`` carrying a ``quantization_scheme`` until the first forward
-decompresses them into a float ``weight``; from then on the module is not quantized.
+...) on a plain ``nn.Linear`` carrying a ``quantization_scheme``; a forward pre-hook on the model
+(``ct_decompress_hook``) decompresses every module in place into a float ``weight`` on the first
+forward. qlens reroutes such modules through its own forward and detaches that hook
+(:func:`detach_decompress_hook`), so they stay packed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,42 @@ def _is_compressed(module: nn.Module) -> bool:
         return True
     weight = _param(module, "weight")
     return weight is not None and weight.dtype not in _FLOAT_WEIGHTS
+
+
+def is_compressed_tensors_module(module: nn.Module) -> bool:
+    """A compressed-tensors module still holding its compressed parameters."""
+    return _is_compressed(module)
+
+
+def detach_decompress_hook(model: nn.Module) -> list[str]:
+    """Remove compressed-tensors' decompress-on-first-forward hooks; return where they were.
+
+    The hook function is kept as ``ct_decompress_hook_fn`` on its module, so that
+    :func:`reattach_decompress_hook` can put it back.
+    """
+    detached = []
+    for name, module in model.named_modules():
+        handle = module.__dict__.get("ct_decompress_hook")
+        if handle is None:
+            continue
+        hook = module._forward_pre_hooks.get(handle.id)
+        handle.remove()
+        del module.ct_decompress_hook
+        if hook is not None:
+            module.ct_decompress_hook_fn = hook
+        detached.append(name)
+    return detached
+
+
+def reattach_decompress_hook(model: nn.Module) -> list[str]:
+    """Undo :func:`detach_decompress_hook`; return where hooks were put back."""
+    restored = []
+    for name, module in model.named_modules():
+        hook = module.__dict__.pop("ct_decompress_hook_fn", None)
+        if hook is not None:
+            module.ct_decompress_hook = module.register_forward_pre_hook(hook)
+            restored.append(name)
+    return restored
 
 
 def _format_name(module: nn.Module) -> str:
@@ -210,4 +248,44 @@ def adopt_compressed_linear(module: nn.Module) -> QuantPayload:
         f"compressed-tensors format {fmt!r} is not adopted; supported: pack-quantized, "
         "int-quantized, float-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, "
         "mxfp8-quantized"
+    )
+
+
+def _asymmetric_packed_groups(config: Any) -> list[str]:
+    """Config groups of a compressed-tensors ``quantization_config`` whose integer weights are
+    packed (``pack-quantized``) with zero points."""
+    qconfig = getattr(config, "quantization_config", None)
+    if qconfig is not None and not isinstance(qconfig, dict):
+        qconfig = qconfig.to_dict() if hasattr(qconfig, "to_dict") else vars(qconfig)
+    if not isinstance(qconfig, dict) or qconfig.get("quant_method") != "compressed-tensors":
+        return []
+    groups = qconfig.get("config_groups") or {}
+    found = []
+    for name, group in groups.items():
+        group = group if isinstance(group, dict) else vars(group)
+        weights = group.get("weights") or {}
+        weights = weights if isinstance(weights, dict) else vars(weights)
+        fmt = group.get("format") or qconfig.get("format")
+        if fmt == "pack-quantized" and weights.get("symmetric") is False:
+            found.append(str(name))
+    return found
+
+
+def explain_load_failure(config: Any, error: Exception) -> Exception | None:
+    """A clear error for a compressed-tensors checkpoint transformers failed to load, or None.
+
+    Asymmetric pack-quantized checkpoints (``W4A16_ASYM``) store their zero points packed eight
+    to an int32 (``[N/8, G]``), while the quantizer of transformers 5.24 with compressed-tensors
+    0.20 allocates them unpacked (``[N, G]``) and refuses the size mismatch.
+    """
+    groups = _asymmetric_packed_groups(config)
+    if not groups or "mismatched_sizes" not in str(error):
+        return None
+    return ValueError(
+        "This compressed-tensors checkpoint holds asymmetric pack-quantized weights (config "
+        f"groups {', '.join(groups)}, e.g. W4A16_ASYM), whose zero points are stored packed "
+        "[out/8, groups]; the installed transformers/compressed-tensors allocate them unpacked "
+        "[out, groups] and refuse the checkpoint (an upstream incompatibility, not a qlens "
+        "limitation: the tensors are intact). Install a transformers/compressed-tensors pair "
+        "that loads it, or quantize symmetrically (W4A16)."
     )
