@@ -91,7 +91,8 @@ def stored_codes(module: nn.Module) -> Any:
         specs = holder.payload_specs()
         prefix = "weight" if "weight" in specs else next(iter(specs))
         return holder.payload_for(prefix).data
-    for name in ("weight", "weight_packed", "qweight"):
+    # HQQLinear keeps a placeholder float `weight` next to its packed `W_q`.
+    for name in ("W_q", "weight", "weight_packed", "qweight"):
         if name in module._parameters or name in module._buffers or hasattr(module, name):
             return getattr(module, name)
     return None
@@ -108,6 +109,9 @@ def method_owner(module: nn.Module, owner: Any) -> Any:
         specs = cast(Any, module).payload_specs()
         formats = sorted({spec.format.name for spec in specs.values()})
         return {"quant_method": f"qlens {'/'.join(formats)} payload ({type(module).__name__})"}
+    if is_hf_quantized(module):  # no config names it (e.g. quantized with the library's own API)
+        library = type(module).__module__.split(".")[0]
+        return {"quant_method": f"{library} {type(module).__name__}"}
     return owner
 
 

@@ -8,5 +8,6 @@ from qlens.quant.adopt import (
     gpt_oss,  # noqa: F401
     gptq_awq,  # noqa: F401
     higgs_gguf,  # noqa: F401
+    hqq,  # noqa: F401
     tensor_subclass,  # noqa: F401
 )

@@ -21,6 +21,7 @@ _CODEC_MODULES = (
     "bitnet",
     "gguf",
     "higgs",
+    "hqq",
 )
 _DEQUANTIZERS: dict[str, Dequantizer] = {}
 _loaded = False
