@@ -91,6 +91,10 @@ def stored_codes(module: nn.Module) -> Any:
         specs = holder.payload_specs()
         prefix = "weight" if "weight" in specs else next(iter(specs))
         return holder.payload_for(prefix).data
+    from qlens.quant.adopt.tensor_subclass import is_unfrozen_quanto
+
+    if is_unfrozen_quanto(module):  # its forward uses the quantized weight, not the float one
+        return cast(Any, module).qweight
     # HQQLinear keeps a placeholder float `weight` next to its packed `W_q`.
     for name in ("W_q", "weight", "weight_packed", "qweight"):
         if name in module._parameters or name in module._buffers or hasattr(module, name):
@@ -110,7 +114,8 @@ def method_owner(module: nn.Module, owner: Any) -> Any:
         formats = sorted({spec.format.name for spec in specs.values()})
         return {"quant_method": f"qlens {'/'.join(formats)} payload ({type(module).__name__})"}
     if is_hf_quantized(module):  # no config names it (e.g. quantized with the library's own API)
-        library = type(module).__module__.split(".")[0]
+        parts = type(module).__module__.split(".")
+        library = ".".join(parts[:2] if parts[0] == "optimum" else parts[:1])
         return {"quant_method": f"{library} {type(module).__name__}"}
     return owner
 

@@ -69,7 +69,25 @@ def adopt_torchao(module: nn.Module) -> QuantPayload:
     return payload
 
 
+def is_unfrozen_quanto(module: nn.Module) -> bool:
+    """An optimum-quanto module not yet frozen: it keeps its float weight, and its forward
+    quantizes it on every call (``module.qweight``)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__module__.startswith("optimum.quanto.")
+        and getattr(module, "weight_qtype", None) is not None
+        and type(weight) in (torch.Tensor, nn.Parameter)
+    )
+
+
+def quanto_weight(module: nn.Module) -> Any:
+    """The quantized weight an optimum-quanto module's forward uses (frozen or not)."""
+    return getattr(module, "qweight") if is_unfrozen_quanto(module) else getattr(module, "weight")
+
+
 def _is_quanto_bytes(module: nn.Module) -> bool:
+    if is_unfrozen_quanto(module):
+        return int(getattr(module, "weight_qtype").bits) == 8
     return _weight_class(module) == "WeightQBytesTensor"
 
 
@@ -77,6 +95,8 @@ _QUANTO_CUDA_BITS = ("AWQWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
 
 
 def _is_quanto_bits(module: nn.Module) -> bool:
+    if is_unfrozen_quanto(module):
+        return int(getattr(module, "weight_qtype").bits) < 8
     return _weight_class(module) in (
         "WeightQBitsTensor",
         "TinyGemmWeightQBitsTensor",
@@ -93,10 +113,11 @@ def _require_axis_0(weight: Any) -> None:
 
 
 @register_adopter(
-    "optimum-quanto QLinear with WeightQBytesTensor (qint8, qfloat8)", _is_quanto_bytes
+    "optimum-quanto QLinear with WeightQBytesTensor (qint8, qfloat8; frozen or not)",
+    _is_quanto_bytes,
 )
 def adopt_quanto_bytes(module: nn.Module) -> QuantPayload:
-    weight: Any = module.weight
+    weight: Any = quanto_weight(module)
     _require_axis_0(weight)
     data, scale = weight._data, weight._scale
     k = int(data.shape[-1])
@@ -156,11 +177,12 @@ def _tinygemm_payload(weight: Any, n: int, k: int, group: int) -> QuantPayload:
 
 
 @register_adopter(
-    "optimum-quanto WeightQBitsTensor (qint4/qint2, float or integer shift; TinyGemm on CPU)",
+    "optimum-quanto WeightQBitsTensor (qint4/qint2, float or integer shift; TinyGemm on CPU; "
+    "frozen or not)",
     _is_quanto_bits,
 )
 def adopt_quanto_bits(module: nn.Module) -> QuantPayload:
-    weight: Any = module.weight
+    weight: Any = quanto_weight(module)
     name = type(weight).__name__
     if name in _QUANTO_CUDA_BITS:
         raise NotImplementedError(
