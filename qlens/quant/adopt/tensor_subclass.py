@@ -12,6 +12,8 @@ from qlens.quant.adopt.fp8 import fp8_payload
 from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.intcodes import midpoint
 from qlens.quant.codecs.intgroup import SCALE_DTYPE_NAMES, validate_int_group
+from qlens.quant.codecs.mx import pack_mx
+from qlens.quant.codecs.nvfp4 import pack_nvfp4
 from qlens.quant.codecs.quanto_bits import packed_quanto_payload, quanto_bits_payload
 from qlens.quant.formats import int_group_format
 from qlens.quant.payload import QuantPayload
@@ -83,6 +85,90 @@ def is_unfrozen_quanto(module: nn.Module) -> bool:
 def quanto_weight(module: nn.Module) -> Any:
     """The quantized weight an optimum-quanto module's forward uses (frozen or not)."""
     return getattr(module, "qweight") if is_unfrozen_quanto(module) else getattr(module, "weight")
+
+
+def _swizzle_layout(weight: Any) -> dict[str, object]:
+    swizzled = bool(getattr(weight, "is_swizzled_scales", False))
+    return {"source": "torchao", "scale_swizzle": "32_4_4" if swizzled else "none"}
+
+
+def _is_torchao_mx(module: nn.Module) -> bool:
+    return _weight_class(module) in ("MXTensor", "NVFP4Tensor") and type(
+        getattr(module, "weight", None)
+    ).__module__.startswith("torchao.")
+
+
+@register_adopter(
+    "torchao MXTensor (MXFP8/MXFP4) and NVFP4Tensor weights (scales plain or swizzled)",
+    _is_torchao_mx,
+)
+def adopt_torchao_mx(module: nn.Module) -> QuantPayload:
+    weight: Any = module.weight
+    shape = tuple(int(s) for s in weight.shape)
+    if type(weight).__name__ == "NVFP4Tensor":
+        if int(weight.block_size) != 16:
+            raise NotImplementedError(
+                f"torchao NVFP4Tensor with block_size {weight.block_size} is not adopted (NVFP4 "
+                "scales blocks of 16)"
+            )
+        per_tensor = getattr(weight, "per_tensor_scale", None)
+        return pack_nvfp4(
+            weight.qdata.view(torch.uint8),
+            weight.scale,
+            torch.tensor(1.0) if per_tensor is None else per_tensor.float(),
+            shape,
+            layout=_swizzle_layout(weight),
+        )
+    if int(weight.block_size) != 32 or weight.elem_dtype not in (
+        torch.float8_e4m3fn,
+        torch.float4_e2m1fn_x2,
+    ):
+        raise NotImplementedError(
+            f"torchao MXTensor with {weight.elem_dtype} elements and block_size "
+            f"{weight.block_size} is not adopted; supported: MXFP8 (e4m3) and MXFP4 (e2m1), "
+            "blocks of 32"
+        )
+    qdata = weight.qdata
+    if weight.elem_dtype == torch.float4_e2m1fn_x2:
+        qdata = qdata.view(torch.uint8)
+    return pack_mx(qdata, weight.scale, shape, layout=_swizzle_layout(weight))
+
+
+def _is_torchao_intx(module: nn.Module) -> bool:
+    return _weight_class(module) == "IntxUnpackedToInt8Tensor"
+
+
+@register_adopter(
+    "torchao IntxUnpackedToInt8Tensor weights (int1-int8 codes held as int8, per row or group)",
+    _is_torchao_intx,
+)
+def adopt_torchao_intx(module: nn.Module) -> QuantPayload:
+    weight: Any = module.weight
+    if weight.qdata.dim() != 2:
+        raise NotImplementedError(
+            f"torchao IntxUnpackedToInt8Tensor of shape {list(weight.qdata.shape)} is not "
+            "adopted; supported: 2-D [out, in] linear weights"
+        )
+    n, k = (int(s) for s in weight.qdata.shape)
+    group = _row_block(weight.block_size, k)
+    scale = weight.scale.reshape(n, ceil_div(k, group))
+    zero = weight.zero_point.reshape(n, ceil_div(k, group))
+    has_zero = bool(zero.any())
+    payload = QuantPayload(
+        format=int_group_format(
+            8,
+            group,
+            zero_point="int" if has_zero else "none",
+            scale_dtype=SCALE_DTYPE_NAMES[scale.dtype],
+        ),
+        data=weight.qdata,
+        shape=(n, k),
+        scales=scale,
+        zeros=zero.to(torch.int8) if has_zero else None,
+        layout={"packing": "qlens", "source": "torchao", "target_dtype": str(weight.target_dtype)},
+    )
+    validate_int_group(payload)
+    return payload
 
 
 def _is_quanto_bytes(module: nn.Module) -> bool:
