@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from qlens.quant.libraries import quiet_library_import_noise
+
 __version__ = "0.1.0"
+
+quiet_library_import_noise()
 
 _EXPORTS: dict[str, str] = {
     "Bridge": "qlens.bridge",
