@@ -51,3 +51,39 @@ def test_every_quantized_linear_is_adopted(checkpoint, config):
         else:
             expected = bnb_functional.int8_vectorwise_dequant(weight.data, weight.SCB)
         assert torch.equal(dequantize(adopt_module(module), expected.dtype), expected)
+
+
+def test_int8_after_first_forward_never_serves_codes(checkpoint):
+    """bitsandbytes moves the int8 row scales (SCB) from the weight to the module's state on the
+    first forward; qlens reads them there, so dequantized weights stay the real ones."""
+    import qlens
+    from qlens.weights import W_O, W_Q, process_weights
+
+    model = LlamaForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    )
+    attn = model.model.layers[0].self_attn
+    expected = {
+        name: bnb_functional.int8_vectorwise_dequant(m.weight.data, m.weight.SCB)
+        for name, m in (("q", attn.q_proj), ("o", attn.o_proj))
+    }
+    bridge = qlens.load(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = bridge(ids)
+        assert attn.q_proj.weight.SCB is None and attn.q_proj.state.SCB is not None  # moved
+        assert torch.equal(bridge(ids), before)
+    assert torch.equal(dequantize(attn.q_proj), expected["q"])
+    with pytest.raises(NotImplementedError, match="integer dtype torch.int8"):
+        W_Q(bridge, 0)
+    with bridge.dequantized():
+        w_q, w_o = W_Q(bridge, 0), W_O(bridge, 0)
+    # [out, in] -> [head, d_model, d_head] and [in, out] -> [head, d_head, d_model]
+    assert torch.equal(w_q, expected["q"].reshape(4, 16, 64).transpose(1, 2))
+    assert torch.equal(w_o, expected["o"].T.reshape(4, 16, 64))
+    processed = process_weights(
+        bridge, fold_ln=False, center_unembed=False, fold_value_biases=False, dequantize=True
+    ).bridge
+    float_q = processed.model.model.layers[0].self_attn.q_proj
+    assert type(float_q) is torch.nn.Linear
+    assert torch.equal(float_q.weight.float(), expected["q"])
