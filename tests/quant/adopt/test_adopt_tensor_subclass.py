@@ -66,3 +66,71 @@ def test_quanto_qint4_is_adopted_with_its_float_shift():
     payload = adopt_module(model[0])
     assert payload.format.name == "int4" and payload.format.zero_point == "float"
     assert torch.equal(_dequantize(payload, torch.float32), model[0].weight.dequantize())
+
+
+def _torchao_configs():
+    torchao_q = pytest.importorskip("torchao.quantization")
+    mx = pytest.importorskip("torchao.prototype.mx_formats.inference_workflow")
+    return torchao_q, {
+        # MX needs bf16 weights in torchao; NVFP4 activation quantization needs sm100, so the
+        # weight-only NVFP4 config is the one that runs on CPU
+        "mxfp4": (torch.bfloat16, lambda: mx.MXDynamicActivationMXWeightConfig(
+            activation_dtype=torch.float4_e2m1fn_x2, weight_dtype=torch.float4_e2m1fn_x2)),
+        "mxfp8": (torch.bfloat16, lambda: mx.MXDynamicActivationMXWeightConfig(
+            activation_dtype=torch.float8_e4m3fn, weight_dtype=torch.float8_e4m3fn)),
+        "nvfp4": (torch.float32, lambda: mx.NVFP4WeightOnlyConfig()),
+        "int4-asym-group": (torch.float32, lambda: torchao_q.IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=torchao_q.PerGroup(32))),
+        "int4-sym-group": (torch.bfloat16, lambda: torchao_q.IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=torchao_q.PerGroup(32),
+            mapping_type=torchao_q.MappingType.SYMMETRIC)),
+        "int2-row": (torch.float32, lambda: torchao_q.IntxWeightOnlyConfig(
+            weight_dtype=torch.int2, granularity=torchao_q.PerAxis(0))),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,format_name",
+    [
+        ("mxfp4", "mxfp4"),
+        ("mxfp8", "mxfp8"),
+        ("nvfp4", "nvfp4"),
+        ("int4-asym-group", "int8"),  # IntxUnpackedToInt8Tensor keeps one code per int8
+        ("int4-sym-group", "int8"),
+        ("int2-row", "int8"),
+    ],
+)
+def test_torchao_subclasses(name, format_name):
+    torchao_q, configs = _torchao_configs()
+    dtype, config = configs[name]
+    model = _linear(dtype, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torchao_q.quantize_(model, config())
+    module = model[0]
+    assert is_quantized_module(module)
+    payload = adopt_module(module)
+    assert payload.format.name == format_name and payload.shape == (48, 128)
+    if name.startswith("mx"):  # MXTensor dequantizes to a given dtype, bf16 only
+        expected = module.weight.dequantize(torch.bfloat16)
+    else:
+        expected = module.weight.dequantize()
+    assert torch.equal(_dequantize(payload, expected.dtype), expected)
+
+
+@pytest.mark.parametrize("qtype_name", ["qint8", "qint4"])
+def test_unfrozen_quanto_serves_the_quantized_weight_its_forward_uses(qtype_name):
+    from qlens.weights.access import read_weight
+
+    quanto = pytest.importorskip("optimum.quanto")
+    model = _linear(torch.float32, seed=4)
+    quanto.quantize(model, weights=getattr(quanto, qtype_name))  # not frozen
+    module = model[0]
+    assert type(module.weight) is nn.Parameter  # the float weight is still there
+    assert is_quantized_module(module)
+    expected = module.qweight.dequantize()  # what the forward computes with
+    assert not torch.equal(expected, module.weight)
+    assert torch.equal(_dequantize(adopt_module(module), torch.float32), expected)
+    with pytest.raises(NotImplementedError, match="quantized tensor subclass.*optimum.quanto"):
+        read_weight(module, operation="read the weight")
+    assert torch.equal(read_weight(module, operation="read", dequantize=True), expected)
