@@ -14,6 +14,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 
 from qlens.quant.adopt import adopt_module, is_quantized_module  # noqa: E402
 from qlens.quant.codecs.registry import dequantizer_for  # noqa: E402
+from qlens.quant.dequantize import dequantize  # noqa: E402
 
 
 def _calibrate(module):
@@ -93,8 +94,6 @@ def test_adopt_matches_decompression(preset, format_name):
 def test_checkpoint_loaded_by_transformers_before_and_after_first_forward(tmp_path, preset):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from qlens.quant.dequantize import dequantize
-
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=64,
@@ -126,3 +125,89 @@ def test_checkpoint_loaded_by_transformers_before_and_after_first_forward(tmp_pa
     for name, module in quantized.items():
         assert not is_quantized_module(module)
         assert torch.equal(adopted[name], module.weight.detach())
+
+
+def _llama_checkpoint(path, preset):
+    """A one-layer Llama compressed with compressed-tensors' own compressor, as saved by it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ct_quant.apply_quantization_config(
+            model, ct_quant.QuantizationConfig(config_groups={"g": scheme}, ignore=["lm_head"])
+        )
+        for module in model.modules():
+            if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+                _calibrate(module)
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+        model.save_pretrained(path)
+        compressor.update_config(path)
+    return path
+
+
+def _decompressed_reference(path, dtype):
+    """The checkpoint as compressed-tensors runs it: decompressed in place, in ``dtype``."""
+    from transformers import LlamaForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(path, dtype="auto")
+        # what the model's first forward runs before computing (the pre-hook removes itself)
+        model._forward_pre_hooks[model.ct_decompress_hook.id](model, ())
+    assert not hasattr(model, "ct_decompress_hook")
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "preset,format_name",
+    [("W4A16", "int4"), ("W8A16", "int8"), ("NVFP4A16", "nvfp4"), ("MXFP8A16", "mxfp8")],
+)
+def test_qlens_load_keeps_modules_packed_through_forwards(tmp_path, preset, format_name):
+    import qlens
+    from qlens.report.audit import audit_weights
+    from qlens.weights import W_Q
+
+    path = _llama_checkpoint(tmp_path, preset)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    bridge = qlens.load(path, dtype=torch.float32)
+    quantized = {n: m for n, m in bridge.model.named_modules() if is_quantized_module(m)}
+    assert len(quantized) == 7 and sorted(bridge.rerouted) == sorted(quantized)
+    adopted = {n: dequantize(adopt_module(m)) for n, m in quantized.items()}
+    with torch.no_grad():
+        logits = bridge(ids)
+        assert torch.equal(bridge(ids), logits)
+    # no in-place decompression: still packed, the same payloads, the guard still refuses
+    assert all(is_quantized_module(m) for m in quantized.values())
+    assert all(torch.equal(dequantize(m), adopted[n]) for n, m in quantized.items())
+    with pytest.raises(NotImplementedError, match="compressed-tensors"):
+        W_Q(bridge, 0)
+    reference = _decompressed_reference(path, torch.float32)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    decompressed = reference.get_submodule(q_proj).weight
+    # compressed-tensors decompresses NVFP4/MX to bf16, rounding once: equal in that dtype
+    assert torch.equal(
+        dequantize(quantized[q_proj], torch.bfloat16 if preset != "W4A16" else decompressed.dtype),
+        decompressed.to(torch.bfloat16 if preset != "W4A16" else decompressed.dtype),
+    )
+    if preset in ("W4A16", "W8A16"):  # integer codes times fp32 scales: the same fp32 weights
+        with torch.no_grad():
+            assert torch.equal(logits, reference(ids).logits)
+    rows = audit_weights(bridge.model).rows
+    assert {r.format for r in rows if not r.readable} == {format_name}
+    assert not any(r.name.endswith("weight_shape") for r in rows)
+
+
+def test_asymmetric_packed_checkpoint_is_refused_with_its_cause(tmp_path):
+    import qlens
+
+    path = _llama_checkpoint(tmp_path, "W4A16_ASYM")
+    with pytest.raises(ValueError, match=r"zero points are stored packed.*upstream"):
+        qlens.load(path)
