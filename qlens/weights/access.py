@@ -25,6 +25,7 @@ from qlens.quant.guards import (
     require_readable_weight,
     unreadable_weight_reason,
 )
+from qlens.quant.libraries import library_of
 
 # Owners (bridges or models) inside a `dequantized(...)` block; ALL means every owner.
 _ALL = object()
@@ -114,8 +115,7 @@ def method_owner(module: nn.Module, owner: Any) -> Any:
         formats = sorted({spec.format.name for spec in specs.values()})
         return {"quant_method": f"qlens {'/'.join(formats)} payload ({type(module).__name__})"}
     if is_hf_quantized(module):  # no config names it (e.g. quantized with the library's own API)
-        parts = type(module).__module__.split(".")
-        library = ".".join(parts[:2] if parts[0] == "optimum" else parts[:1])
+        library = library_of(module) or type(module).__module__.split(".")[0]
         return {"quant_method": f"{library} {type(module).__name__}"}
     return owner
 
@@ -129,15 +129,9 @@ def _dequantize_module(module: nn.Module) -> Tensor | dict[str, Tensor]:
     return dequantize(module)
 
 
-# Libraries whose tensor subclasses rebuild their float values with their own dequantize().
-_OWN_DEQUANTIZE_LIBRARIES = ("torchao.", "optimum.quanto.")
-
-
 def has_own_dequantize(weight: object) -> bool:
     """A tensor subclass of a library whose ``dequantize()`` rebuilds the float weight."""
-    return isinstance(weight, Tensor) and f"{type(weight).__module__}.".startswith(
-        _OWN_DEQUANTIZE_LIBRARIES
-    )
+    return isinstance(weight, Tensor) and library_of(weight) in ("torchao", "optimum.quanto")
 
 
 def _dequantize_tensor(weight: Any, operation: str, reason: str) -> Tensor:

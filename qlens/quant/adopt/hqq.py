@@ -9,12 +9,13 @@ from torch import nn
 
 from qlens.quant.adopt.core import register_adopter
 from qlens.quant.codecs.hqq import hqq_format
+from qlens.quant.libraries import library_of
 from qlens.quant.payload import QuantPayload
 
 
 def _is_hqq_linear(module: nn.Module) -> bool:
     return (
-        type(module).__module__.startswith("hqq.")
+        library_of(module) == "hqq"
         and isinstance(getattr(module, "W_q", None), torch.Tensor)
         and isinstance(getattr(module, "meta", None), dict)
     )
@@ -33,9 +34,12 @@ def _zero_and_scale(meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return zero.detach(), scale.detach()
 
 
-@register_adopter("HQQ HQQLinear (W_q bit planes + meta zero/scale, 1/2/3/4/8 bits)", _is_hqq_linear)
+@register_adopter(
+    "HQQ HQQLinear (W_q bit planes + meta zero/scale, 1/2/3/4/8 bits)", _is_hqq_linear
+)
 def adopt_hqq_linear(module: nn.Module) -> QuantPayload:
-    meta: dict[str, Any] = module.meta  # type: ignore[assignment]
+    holder: Any = module
+    meta: dict[str, Any] = holder.meta
     packing = meta.get("packing")
     if packing is None:
         raise NotImplementedError(
@@ -45,8 +49,10 @@ def adopt_hqq_linear(module: nn.Module) -> QuantPayload:
     n, k = (int(s) for s in meta["shape"])
     compute_dtype = meta.get("compute_dtype", torch.float16)  # HQQ's own default
     return QuantPayload(
-        format=hqq_format(int(meta["nbits"]), int(meta["group_size"]), int(meta["axis"]), scale.dtype),
-        data=module.W_q.detach(),  # type: ignore[union-attr]
+        format=hqq_format(
+            int(meta["nbits"]), int(meta["group_size"]), int(meta["axis"]), scale.dtype
+        ),
+        data=holder.W_q.detach(),
         shape=(n, k),
         scales=scale,
         zeros=zero,

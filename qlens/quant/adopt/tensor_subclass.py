@@ -16,6 +16,7 @@ from qlens.quant.codecs.mx import pack_mx
 from qlens.quant.codecs.nvfp4 import pack_nvfp4
 from qlens.quant.codecs.quanto_bits import packed_quanto_payload, quanto_bits_payload
 from qlens.quant.formats import int_group_format
+from qlens.quant.libraries import library_of
 from qlens.quant.payload import QuantPayload
 
 
@@ -76,7 +77,7 @@ def is_unfrozen_quanto(module: nn.Module) -> bool:
     quantizes it on every call (``module.qweight``)."""
     weight = getattr(module, "weight", None)
     return (
-        type(module).__module__.startswith("optimum.quanto.")
+        library_of(module) == "optimum.quanto"
         and getattr(module, "weight_qtype", None) is not None
         and type(weight) in (torch.Tensor, nn.Parameter)
     )
@@ -84,7 +85,7 @@ def is_unfrozen_quanto(module: nn.Module) -> bool:
 
 def quanto_weight(module: nn.Module) -> Any:
     """The quantized weight an optimum-quanto module's forward uses (frozen or not)."""
-    return getattr(module, "qweight") if is_unfrozen_quanto(module) else getattr(module, "weight")
+    return module.qweight if is_unfrozen_quanto(module) else module.weight
 
 
 def _swizzle_layout(weight: Any) -> dict[str, object]:
@@ -93,9 +94,8 @@ def _swizzle_layout(weight: Any) -> dict[str, object]:
 
 
 def _is_torchao_mx(module: nn.Module) -> bool:
-    return _weight_class(module) in ("MXTensor", "NVFP4Tensor") and type(
-        getattr(module, "weight", None)
-    ).__module__.startswith("torchao.")
+    weight = getattr(module, "weight", None)
+    return _weight_class(module) in ("MXTensor", "NVFP4Tensor") and library_of(weight) == "torchao"
 
 
 @register_adopter(
@@ -171,9 +171,14 @@ def adopt_torchao_intx(module: nn.Module) -> QuantPayload:
     return payload
 
 
+def _qtype_bits(module: nn.Module) -> int:
+    holder: Any = module
+    return int(holder.weight_qtype.bits)
+
+
 def _is_quanto_bytes(module: nn.Module) -> bool:
     if is_unfrozen_quanto(module):
-        return int(getattr(module, "weight_qtype").bits) == 8
+        return _qtype_bits(module) == 8
     return _weight_class(module) == "WeightQBytesTensor"
 
 
@@ -182,7 +187,7 @@ _QUANTO_CUDA_BITS = ("AWQWeightQBitsTensor", "MarlinInt4WeightQBitsTensor")
 
 def _is_quanto_bits(module: nn.Module) -> bool:
     if is_unfrozen_quanto(module):
-        return int(getattr(module, "weight_qtype").bits) < 8
+        return _qtype_bits(module) < 8
     return _weight_class(module) in (
         "WeightQBitsTensor",
         "TinyGemmWeightQBitsTensor",
