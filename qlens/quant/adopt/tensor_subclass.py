@@ -13,6 +13,7 @@ from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.intcodes import midpoint
 from qlens.quant.codecs.intgroup import SCALE_DTYPE_NAMES, validate_int_group
 from qlens.quant.codecs.mx import pack_mx
+from qlens.quant.codecs.nf4_torchao import nf4_torchao_format
 from qlens.quant.codecs.nvfp4 import pack_nvfp4
 from qlens.quant.codecs.quanto_bits import packed_quanto_payload, quanto_bits_payload
 from qlens.quant.formats import int_group_format
@@ -132,6 +133,33 @@ def adopt_torchao_mx(module: nn.Module) -> QuantPayload:
     if weight.elem_dtype == torch.float4_e2m1fn_x2:
         qdata = qdata.view(torch.uint8)
     return pack_mx(qdata, weight.scale, shape, layout=_swizzle_layout(weight))
+
+
+def _is_torchao_nf4(module: nn.Module) -> bool:
+    return _weight_class(module) == "NF4Tensor" and library_of(module.weight) == "torchao"
+
+
+@register_adopter(
+    "torchao NF4Tensor weights (QLoRA NF4, double-quantized scalers)", _is_torchao_nf4
+)
+def adopt_torchao_nf4(module: nn.Module) -> QuantPayload:
+    weight: Any = module.weight
+    return QuantPayload(
+        format=nf4_torchao_format(int(weight.block_size), int(weight.scaler_block_size)),
+        data=weight.quantized_data,
+        shape=tuple(int(s) for s in weight.shape),
+        scales=weight.quantized_scalers,
+        layout={
+            "packing": "torchao",
+            "scaler_block_size": int(weight.scaler_block_size),
+            "dtype": str(weight.dtype).removeprefix("torch."),
+        },
+        extras={
+            "quantization_factor": weight.quantization_factor,
+            "scaler_mean": weight.scaler_mean,
+            "nf4": weight.nf4,
+        },
+    )
 
 
 def _is_torchao_intx(module: nn.Module) -> bool:

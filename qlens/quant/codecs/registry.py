@@ -22,6 +22,7 @@ _CODEC_MODULES = (
     "gguf",
     "higgs",
     "hqq",
+    "nf4_torchao",
 )
 _DEQUANTIZERS: dict[str, Dequantizer] = {}
 _loaded = False

@@ -134,3 +134,17 @@ def test_unfrozen_quanto_serves_the_quantized_weight_its_forward_uses(qtype_name
     with pytest.raises(NotImplementedError, match="quantized tensor subclass.*optimum.quanto"):
         read_weight(module, operation="read the weight")
     assert torch.equal(read_weight(module, operation="read", dequantize=True), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_nf4(dtype):
+    nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    torch.manual_seed(5)
+    module = nn.Linear(128, 128, dtype=dtype)  # 256 blocks of 64: one scaler block of 256
+    module.weight = nn.Parameter(nf4.to_nf4(module.weight.data), requires_grad=False)
+    assert is_quantized_module(module)
+    payload = adopt_module(module)
+    assert payload.format.name == "nf4_torchao" and payload.bits_per_weight < 4.2
+    expected = module.weight.get_original_weight()
+    assert expected.dtype == dtype
+    assert torch.equal(_dequantize(payload, dtype), expected)
