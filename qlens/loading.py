@@ -117,6 +117,10 @@ def _load_from_source(
         if explained is None:
             raise
         raise explained from error
+    if getattr(config, "quantization_config", None):
+        from qlens.quant.adopt.ct_experts import check_fused_experts
+
+        check_fused_experts(hf_model, location)
     hf_model.eval()
     if tokenizer is None:
         tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)

@@ -1,6 +1,7 @@
 """Adopting compressed-tensors Linear modules (built and compressed with its own API on CPU)
 against compressed-tensors' decompression of the same module."""
 
+import json
 import warnings
 
 import pytest
@@ -211,3 +212,73 @@ def test_asymmetric_packed_checkpoint_is_refused_with_its_cause(tmp_path):
     path = _llama_checkpoint(tmp_path, "W4A16_ASYM")
     with pytest.raises(ValueError, match=r"zero points are stored packed.*upstream"):
         qlens.load(path)
+
+
+def _moe_checkpoint(path, family, preset):
+    """A one-layer MoE whose experts are saved as llm-compressor saves them: one compressed
+    linear per expert projection (Qwen3-MoE gate/up/down_proj, Mixtral w1/w3/w2)."""
+    from safetensors.torch import save_file
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts_per_tok=1,
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(**sizes, moe_intermediate_size=128, num_experts=2, mlp_only_layers=[])
+        )
+        names = ("gate_proj", "up_proj", "down_proj")
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=2))
+        names = ("w1", "w3", "w2")
+    fused = model.model.layers[0].mlp.experts
+    experts = nn.ModuleDict()
+    for e in range(2):
+        gate, up = fused.gate_up_proj[e].detach().chunk(2)
+        projections = nn.ModuleDict()
+        for name, weight in zip(names, (gate, up, fused.down_proj[e].detach()), strict=True):
+            projections[name] = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            projections[name].weight.data = weight.clone()
+        experts[str(e)] = projections
+    scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ct_quant.apply_quantization_config(
+            experts, ct_quant.QuantizationConfig(config_groups={"g": scheme})
+        )
+        for module in experts.modules():
+            if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+                _calibrate(module)
+        compressor = ModelCompressor.from_pretrained_model(experts)
+        compressor.compress_model(experts)
+    state = {k: v for k, v in model.state_dict().items() if ".mlp.experts." not in k}
+    prefix = "model.layers.0.mlp.experts."
+    state.update({prefix + k: v.contiguous() for k, v in experts.state_dict().items()})
+    model.config.save_pretrained(path)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_experts_loaded_wrongly_by_transformers_are_refused(tmp_path, family):
+    import qlens
+
+    path = _moe_checkpoint(tmp_path, family, "NVFP4A16")
+    with pytest.raises(ValueError, match=r"did not load the compressed-tensors experts of "
+                       r"model\.layers\.0\.mlp\.experts .*weight_global_scale"):  # fmt: skip
+        qlens.load(path)
+
+
+def test_moe_experts_dequantized_exactly_by_transformers_load(tmp_path, caplog):
+    import qlens
+
+    path = _moe_checkpoint(tmp_path, "qwen3_moe", "W8A16")
+    bridge = qlens.load(path)
+    assert "arrived dequantized to torch.float32" in caplog.text
+    assert bridge.model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
