@@ -91,43 +91,6 @@ def test_adopt_matches_decompression(preset, format_name):
     assert not is_quantized_module(module)  # decompressed: a plain float weight now
 
 
-@pytest.mark.parametrize("preset", ["W4A16", "FP8_BLOCK"])
-def test_checkpoint_loaded_by_transformers_before_and_after_first_forward(tmp_path, preset):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )  # every projection is a multiple of the 128 x 128 FP8 block
-    model = LlamaForCausalLM(config)
-    scheme = ct_quant.preset_name_to_scheme(preset, ["Linear"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ct_quant.apply_quantization_config(
-            model, ct_quant.QuantizationConfig(config_groups={"g": scheme}, ignore=["lm_head"])
-        )
-        for module in model.modules():
-            if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
-                _calibrate(module)
-        compressor = ModelCompressor.from_pretrained_model(model)
-        compressor.compress_model(model)
-        model.save_pretrained(tmp_path)
-        compressor.update_config(tmp_path)
-        loaded = LlamaForCausalLM.from_pretrained(tmp_path)
-    quantized = {name: m for name, m in loaded.named_modules() if is_quantized_module(m)}
-    assert len(quantized) == 7  # q, k, v, o, gate, up, down
-    adopted = {name: dequantize(adopt_module(m)) for name, m in quantized.items()}
-    loaded(torch.tensor([[1, 2, 3]]))  # the first forward decompresses in place
-    for name, module in quantized.items():
-        assert not is_quantized_module(module)
-        assert torch.equal(adopted[name], module.weight.detach())
-
-
 def _llama_checkpoint(path, preset):
     """A one-layer Llama compressed with compressed-tensors' own compressor, as saved by it."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -152,6 +115,23 @@ def _llama_checkpoint(path, preset):
         model.save_pretrained(path)
         compressor.update_config(path)
     return path
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "FP8_BLOCK"])
+def test_checkpoint_loaded_by_transformers_before_and_after_first_forward(tmp_path, preset):
+    from transformers import LlamaForCausalLM
+
+    path = _llama_checkpoint(tmp_path, preset)  # every projection a multiple of 128 x 128
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = LlamaForCausalLM.from_pretrained(path)
+    quantized = {name: m for name, m in loaded.named_modules() if is_quantized_module(m)}
+    assert len(quantized) == 7  # q, k, v, o, gate, up, down
+    adopted = {name: dequantize(adopt_module(m)) for name, m in quantized.items()}
+    loaded(torch.tensor([[1, 2, 3]]))  # the library's own route decompresses in place
+    for name, module in quantized.items():
+        assert not is_quantized_module(module)
+        assert torch.equal(adopted[name], module.weight.detach())
 
 
 def _decompressed_reference(path, dtype):
