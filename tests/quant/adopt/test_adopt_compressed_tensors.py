@@ -149,7 +149,13 @@ def _decompressed_reference(path, dtype):
 
 @pytest.mark.parametrize(
     "preset,format_name",
-    [("W4A16", "int4"), ("W8A16", "int8"), ("NVFP4A16", "nvfp4"), ("MXFP8A16", "mxfp8")],
+    [
+        ("W4A16", "int4"),
+        ("W8A16", "int8"),
+        ("NVFP4A16", "nvfp4"),
+        ("MXFP4A16", "mxfp4"),
+        ("MXFP8A16", "mxfp8"),
+    ],
 )
 def test_qlens_load_keeps_modules_packed_through_forwards(tmp_path, preset, format_name):
     import qlens
@@ -184,6 +190,24 @@ def test_qlens_load_keeps_modules_packed_through_forwards(tmp_path, preset, form
     rows = audit_weights(bridge.model).rows
     assert {r.format for r in rows if not r.readable} == {format_name}
     assert not any(r.name.endswith("weight_shape") for r in rows)
+
+
+def test_restoring_the_own_forward_gives_back_the_library_route(tmp_path):
+    import qlens
+    from qlens.quant.reroute import restore_own_forward
+
+    bridge = qlens.load(_llama_checkpoint(tmp_path, "W8A16"))
+    model = bridge.model
+    assert not hasattr(model, "ct_decompress_hook")  # detached while rerouted
+    assert len(restore_own_forward(model)) == 7
+    assert hasattr(model, "ct_decompress_hook")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    expected = dequantize(q_proj)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.tensor([[1, 2, 3]]))  # compressed-tensors' own route: decompress in place
+    assert not is_quantized_module(q_proj)
+    assert torch.equal(q_proj.weight.detach(), expected)
 
 
 def test_asymmetric_packed_checkpoint_is_refused_with_its_cause(tmp_path):
