@@ -87,3 +87,60 @@ def test_int8_after_first_forward_never_serves_codes(checkpoint):
     float_q = processed.model.model.layers[0].self_attn.q_proj
     assert type(float_q) is torch.nn.Linear
     assert torch.equal(float_q.weight.float(), expected["q"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_moe_families_4bit(tmp_path, family):
+    """bitsandbytes quantizes the MoE families' linears (attention) and leaves the fused 3-D
+    experts in float; qlens adopts the former, keeps their own forward and reads the latter."""
+    import transformers
+
+    import qlens
+    from qlens.report.audit import audit_weights
+    from qlens.weights import W_Q
+
+    sizes = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=1,
+    )  # fmt: skip
+    config, model_class = {
+        "qwen3_moe": (
+            transformers.Qwen3MoeConfig(
+                **sizes, moe_intermediate_size=64, num_experts=2, mlp_only_layers=[]
+            ),
+            transformers.Qwen3MoeForCausalLM,
+        ),
+        "mixtral": (
+            transformers.MixtralConfig(**sizes, num_local_experts=2),
+            transformers.MixtralForCausalLM,
+        ),
+        "gpt_oss": (
+            transformers.GptOssConfig(**sizes, num_local_experts=2),
+            transformers.GptOssForCausalLM,
+        ),
+    }[family]
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    model = model_class.from_pretrained(
+        tmp_path,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+        device_map="cpu",
+    )
+    quantized = {name: m for name, m in model.named_modules() if is_quantized_module(m)}
+    assert sorted(quantized) == sorted(
+        f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v", "o")
+    )
+    for module in quantized.values():
+        weight = module.weight
+        expected = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
+        assert torch.equal(dequantize(module, expected.dtype), expected)
+    bridge = qlens.load(model)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert bridge.rerouted == [] and torch.equal(bridge(ids), model(ids).logits)
+    with pytest.raises(NotImplementedError, match="quantization: bitsandbytes"):
+        W_Q(bridge, 0)
+    rows = audit_weights(model).rows
+    assert {r.format for r in rows if not r.readable} == {"bnb_nf4"}
+    experts = [r for r in rows if ".experts." in r.name and r.name.endswith("_proj")]
+    assert experts and all(r.readable for r in experts)
