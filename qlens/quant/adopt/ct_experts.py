@@ -60,11 +60,15 @@ def _scheme(qconfig: dict[str, Any]) -> Any:
     return None
 
 
-def _expert_tensors(directory: Path) -> dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]]:
-    """``{experts prefix: {(expert, role): {tensor name: tensor}}}`` of every safetensors file."""
+Slots = dict[tuple[int, str], dict[str, tuple[Path, str]]]
+
+
+def _expert_keys(directory: Path) -> dict[str, Slots]:
+    """``{experts prefix: {(expert, role): {tensor name: (file, key)}}}`` of the checkpoint
+    (names only: tensors are read one projection at a time)."""
     from safetensors import safe_open
 
-    found: dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]] = {}
+    found: dict[str, Slots] = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -73,9 +77,20 @@ def _expert_tensors(directory: Path) -> dict[str, dict[tuple[int, str], dict[str
                     continue
                 slot = (int(match["expert"]), _ROLE[match["proj"]])
                 found.setdefault(match["prefix"], {}).setdefault(slot, {})[match["name"]] = (
-                    handle.get_tensor(key)
+                    file,
+                    key,
                 )
     return found
+
+
+def _read(where: dict[str, tuple[Path, str]]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors = {}
+    for name, (file, key) in where.items():
+        with safe_open(str(file), "pt") as handle:
+            tensors[name] = handle.get_tensor(key)
+    return tensors
 
 
 def _decode(
@@ -123,7 +138,7 @@ def check_fused_experts(model: nn.Module, location: str) -> None:
     directory = Path(location)
     if qconfig is None or not directory.is_dir():
         return
-    saved = _expert_tensors(directory)
+    saved = _expert_keys(directory)
     scheme = _scheme(qconfig) if saved else None
     for prefix, slots in saved.items():
         module = model.get_submodule(prefix) if _has_submodule(model, prefix) else None
@@ -131,12 +146,12 @@ def check_fused_experts(model: nn.Module, location: str) -> None:
         if module is not None and is_quantized_module(module):
             continue
         worst = 0.0
-        for (expert, role), tensors in sorted(slots.items()):
+        for (expert, role), where in sorted(slots.items()):
             loaded = None if module is None else _fused(module, role, expert)
             if loaded is None or loaded.device.type == "meta":
                 worst = float("inf")
                 break
-            expected = _decode(tensors, scheme, loaded.shape, loaded.dtype)
+            expected = _decode(_read(where), scheme, loaded.shape, loaded.dtype)
             if expected.shape != loaded.shape:
                 worst = float("inf")
                 break
