@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qlens.quant.adopt import adopt_module, is_quantized_module
+from qlens.quant.adopt.compressed_tensors import is_quantization_metadata
 from qlens.quant.guards import unreadable_weight_reason
 from qlens.quant.payload import QuantPayload
 from qlens.weights.access import is_payload_module
@@ -96,8 +97,8 @@ def audit_weights(model: nn.Module) -> WeightAudit:
             rows += _quantized_module_rows(prefix, module, entry.reason)
         for name, parameter in module.named_parameters(recurse=False):
             problem = refused.pop(where + name, None)
-            if id(parameter) in seen:
-                continue  # tied to a parameter already listed
+            if id(parameter) in seen or is_quantization_metadata(module, name):
+                continue  # tied to a parameter already listed, or a library's bookkeeping
             seen.add(id(parameter))
             if quantized and not name.endswith("bias"):
                 continue  # stored codes or scales of a quantized module, counted with its payload

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qlens.quant.adopt.compressed_tensors import is_quantization_metadata
 from qlens.quant.guards import unreadable_weight_reason
 from qlens.weights.access import is_conv1d, is_hf_quantized, is_payload_module, stored_codes
 
@@ -69,7 +70,7 @@ def unreadable_weights(model: nn.Module) -> list[UnreadableWeight]:
         for name, value in list(module._parameters.items()) + [
             ("weight", module.__dict__.get("weight"))
         ]:
-            if value is None:
+            if value is None or is_quantization_metadata(module, name):
                 continue
             why = unreadable_weight_reason(value)
             if why is not None:

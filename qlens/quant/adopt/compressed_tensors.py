@@ -59,6 +59,12 @@ def is_compressed_tensors_module(module: nn.Module) -> bool:
     return _is_compressed(module)
 
 
+def is_quantization_metadata(module: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``module`` is compressed-tensors bookkeeping (the int64
+    ``weight_shape`` it keeps, even after decompressing), not a weight."""
+    return name == "weight_shape" and getattr(module, "quantization_scheme", None) is not None
+
+
 def detach_decompress_hook(model: nn.Module) -> list[str]:
     """Remove compressed-tensors' decompress-on-first-forward hooks; return where they were.
 

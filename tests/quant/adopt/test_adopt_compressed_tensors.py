@@ -16,6 +16,8 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from qlens.quant.adopt import adopt_module, is_quantized_module  # noqa: E402
 from qlens.quant.codecs.registry import dequantizer_for  # noqa: E402
 from qlens.quant.dequantize import dequantize  # noqa: E402
+from qlens.report.audit import audit_weights  # noqa: E402
+from qlens.weights.storage import unreadable_weights  # noqa: E402
 
 
 def _calibrate(module):
@@ -132,6 +134,9 @@ def test_checkpoint_loaded_by_transformers_before_and_after_first_forward(tmp_pa
     for name, module in quantized.items():
         assert not is_quantized_module(module)
         assert torch.equal(adopted[name], module.weight.detach())
+    # the int64 `weight_shape` each module keeps is bookkeeping, not an unreadable weight
+    assert unreadable_weights(loaded) == []
+    assert not any(row.name.endswith("weight_shape") for row in audit_weights(loaded).rows)
 
 
 def _decompressed_reference(path, dtype):
@@ -159,7 +164,6 @@ def _decompressed_reference(path, dtype):
 )
 def test_qlens_load_keeps_modules_packed_through_forwards(tmp_path, preset, format_name):
     import qlens
-    from qlens.report.audit import audit_weights
     from qlens.weights import W_Q
 
     path = _llama_checkpoint(tmp_path, preset)
