@@ -77,3 +77,13 @@ def test_linear4bit_after_cpu_forward_repacking():
     payload = adopt_module(module)
     assert payload.layout.get("source") == ("bitsandbytes-cpu-gemm" if repacked else None)
     assert torch.equal(dequantizer_for("bnb_nf4")(payload, torch.float32), expected)
+
+
+def test_int8_params_alone_are_never_cast_to_floats():
+    """``Int8Params`` inherits ``torch.Tensor.dequantize``, which only casts the codes: read on
+    its own (without its module's row scales) the weight is refused, not served as codes."""
+    from qlens.weights.access import read_tensor
+
+    module = bnb.nn.Linear8bitLt(64, 24, bias=False, has_fp16_weights=False).to("cpu")
+    with pytest.raises(NotImplementedError, match="knows no dequantizer for a bitsandbytes"):
+        read_tensor(module.weight, operation="read the weight", dequantize=True)
