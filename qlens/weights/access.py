@@ -24,6 +24,7 @@ from qlens.quant.guards import (
     quantization_method,
     require_readable_weight,
     unreadable_weight_reason,
+    weight_problem,
 )
 
 # Owners (bridges or models) inside a `dequantized(...)` block; ALL means every owner.
@@ -33,10 +34,6 @@ _OPTED_IN: contextvars.ContextVar[tuple[object, ...]] = contextvars.ContextVar(
 )
 
 GateUpLayout = Literal["halves", "interleaved"]
-META_REMEDY = (
-    "Materialize the weights first: load the model without meta-device initialization, or onload "
-    "offloaded weights (dequantization cannot help: there are no values to rebuild)."
-)
 
 
 @contextlib.contextmanager
@@ -71,6 +68,12 @@ def _is_meta(weight: Any) -> bool:
     return isinstance(weight, Tensor) and weight.device.type == "meta"
 
 
+def _beyond_dequantization(weight: Any) -> bool:
+    """Unreadable for a reason dequantization cannot fix (meta, uninitialized, complex, numpy)."""
+    problem = weight_problem(weight)
+    return problem is not None and not problem.quantized
+
+
 def is_payload_module(module: nn.Module) -> bool:
     """A qlens QuantLinear / QuantExperts (weights held as payload buffers)."""
     from qlens.quant.modules.payload_buffers import PayloadModule
@@ -91,10 +94,24 @@ def stored_codes(module: nn.Module) -> Any:
         specs = holder.payload_specs()
         prefix = "weight" if "weight" in specs else next(iter(specs))
         return holder.payload_for(prefix).data
+    if _is_unfrozen_quanto(module):
+        # Its forward quantizes the float weight on the fly: the quantized tensor is the weight.
+        return cast(Any, module).qweight.detach()
     for name in ("weight", "weight_packed", "qweight"):
         if name in module._parameters or name in module._buffers or hasattr(module, name):
             return getattr(module, name)
     return None
+
+
+def _is_unfrozen_quanto(module: nn.Module) -> bool:
+    """An optimum-quanto module whose float weight is quantized anew by every forward."""
+    if not type(module).__module__.startswith("optimum.quanto."):
+        return False
+    weight = getattr(module, "weight", None)
+    return getattr(module, "weight_qtype", None) is not None and type(weight) in (
+        Tensor,
+        nn.Parameter,
+    )
 
 
 def method_owner(module: nn.Module, owner: Any) -> Any:
@@ -170,13 +187,8 @@ def read_weight(
     reason = unreadable_weight_reason(stored)
     if reason is None:
         return stored.T if is_conv1d(source) else stored
-    if not opted or _is_meta(stored):
-        require_readable_weight(
-            stored,
-            operation=operation,
-            owner=method_owner(source, owner),
-            remedy=META_REMEDY if _is_meta(stored) else None,
-        )
+    if not opted or _beyond_dequantization(stored):
+        require_readable_weight(stored, operation=operation, owner=method_owner(source, owner))
     if is_payload_module(source) or is_hf_quantized(source):
         value = _dequantize_module(source)
         if isinstance(value, dict):
@@ -199,13 +211,8 @@ def read_tensor(
     reason = unreadable_weight_reason(weight)
     if reason is None:
         return weight
-    if not dequantize_opted_in(owner, dequantize) or _is_meta(weight):
-        require_readable_weight(
-            weight,
-            operation=operation,
-            owner=owner,
-            remedy=META_REMEDY if _is_meta(weight) else None,
-        )
+    if not dequantize_opted_in(owner, dequantize) or _beyond_dequantization(weight):
+        require_readable_weight(weight, operation=operation, owner=owner)
     return _dequantize_tensor(weight, operation, reason)
 
 

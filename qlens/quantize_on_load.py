@@ -1,0 +1,167 @@
+"""Quantize while loading: stream a float checkpoint tensor by tensor into a quantized model.
+
+The model is built on the meta device, the layers ``qlens.quantize`` would quantize are planned
+the same way, and the safetensors shards are read one tensor at a time. Each tensor is cast to
+the load dtype on the target device; a planned layer is quantized (and its float weights dropped)
+as soon as its last tensor has arrived, every other tensor is put in place. The float model is
+never held whole: peak memory is the quantized model plus one layer's float weights. The result
+equals ``qlens.quantize(qlens.load(path, dtype=..., device=...), scheme)`` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class _Pending:
+    """A planned layer waiting for its float tensors."""
+
+    plan: Any  # qlens.quant.model_quantize._Plan
+    missing: set[str] = field(default_factory=set)  # its tensor names not yet loaded
+
+
+def safetensors_shards(directory: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, in the order of its index (if sharded)."""
+    directory = Path(directory)
+    index = directory / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in dict.fromkeys(weight_map.values())]
+    if (directory / _SINGLE_FILE).is_file():
+        return [directory / _SINGLE_FILE]
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"{directory} holds no safetensors weights; quantize-on-load reads safetensors only. "
+            "Load the model first and call qlens.quantize(bridge, scheme)."
+        )
+    return found
+
+
+def load_quantizing(
+    directory: str | Path,
+    config: Any,
+    scheme: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
+    """The causal LM in ``directory`` with ``qlens.quantize``'s layers quantized by ``scheme``."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from qlens.load_checks import key_list
+    from qlens.quant.model_quantize import DEFAULT_SKIP, SCHEMES, plan_quantization
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(SCHEMES)}")
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(
+            f"{directory} is already quantized (quantization_config: "
+            f"{_method(config)}); quantize= converts float checkpoints. Load it as it is, or "
+            "with dequantize=True and then call qlens.quantize(bridge, scheme)."
+        )
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plans = plan_quantization(model, DEFAULT_SKIP, on_meta=True)
+    pending = {
+        p.name: _Pending(p, {n for n, _ in p.module.named_parameters(recurse=True)}) for p in plans
+    }
+    owner_of = {
+        f"{p.name}.{n}": p.name for p in plans for n, _ in p.module.named_parameters(recurse=True)
+    }
+    expected = dict(model.state_dict(keep_vars=True))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for shard in safetensors_shards(directory):
+        with safe_open(str(shard), framework="pt", device="cpu") as reader:
+            for key in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key not in expected:
+                    unexpected.append(key)
+                    continue
+                tensor = reader.get_tensor(key)
+                _put(model, key, _cast(tensor, expected[key], dtype, device))
+                del tensor
+                loaded.add(key)
+                _advance(model, pending, owner_of, key, scheme)
+    if unexpected:
+        raise ValueError(
+            f"{directory} holds tensors {key_list(unexpected)} that "
+            f"{type(model).__name__} has no place for (a checkpoint in another layout?). "
+            "quantize-on-load reads checkpoints written by save_pretrained; load this one with "
+            "qlens.load(path) and quantize it with qlens.quantize(bridge, scheme)."
+        )
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if target not in loaded and source in loaded:
+            _put(model, target, model.get_parameter(source))
+            loaded.add(target)
+            _advance(model, pending, owner_of, target, scheme)
+    left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    left += [f"{name}.{n}" for name, p in pending.items() for n in sorted(p.missing)]
+    if left:
+        raise ValueError(
+            f"{directory} lacks tensors {key_list(sorted(set(left)))}: the checkpoint is incomplete "
+            "for its config, and qlens does not fill weights with random values."
+        )
+    model.to(device)
+    return model.eval()
+
+
+def _advance(
+    model: nn.Module, pending: dict[str, _Pending], owner_of: dict[str, str], key: str, scheme: str
+) -> None:
+    """Count ``key`` as loaded; quantize its layer once all of the layer's tensors are in."""
+    from qlens.quant.model_quantize import quantized_module
+
+    name = owner_of.get(key)
+    if name is None:
+        return
+    waiting = pending[name]
+    waiting.missing.discard(key[len(name) + 1 :])
+    if waiting.missing:
+        return
+    plan = waiting.plan
+    options = {"asymmetric": False, "scale_dtype": None}  # qlens.quantize's defaults
+    model.set_submodule(plan.name, quantized_module(plan, scheme, options))
+    del pending[name]
+
+
+def _cast(
+    tensor: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``tensor`` as from_pretrained stores it: floats in the load dtype, others as they are."""
+    target = dtype if tensor.is_floating_point() and slot.is_floating_point() else tensor.dtype
+    return tensor.to(device=device, dtype=target)
+
+
+def _put(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = key.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        keep = old.requires_grad if old is not None else False
+        owner._parameters[leaf] = (
+            value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=keep)
+        )
+    else:
+        owner._buffers[leaf] = value
+
+
+def _method(config: Any) -> str:
+    from qlens.quant.guards import quantization_method
+
+    return quantization_method(config) or "unknown method"
