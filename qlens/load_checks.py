@@ -9,6 +9,7 @@ quantized module into its exact float counterpart.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -85,11 +86,12 @@ def dequantized_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     from qlens.weights.materialize import prepare
 
     prepare(Bridge(model), "load with dequantize=True", dequantize=True, inplace=True, dtype=dtype)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)  # the model is no longer quantized
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "quantization_config"):
         del config.quantization_config
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
     return model.to(dtype)
 
 
@@ -105,7 +107,7 @@ def _ignores(pattern: str, name: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def key_list(keys: list[str]) -> str:
+def key_list(keys: Iterable[str]) -> str:
     """The first few of ``keys`` (sorted), and how many more, for error messages."""
     keys = sorted(keys)
     shown = ", ".join(keys[:6])

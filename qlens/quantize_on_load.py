@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,17 +88,24 @@ def load_quantizing(
     expected = dict(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     unexpected: list[str] = []
+    experts = ExpertStacker(expected)
     for shard in safetensors_shards(directory):
         with safe_open(str(shard), framework="pt", device="cpu") as reader:
-            for key in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key not in expected:
-                    unexpected.append(key)
+            for stored in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                key = _renamed(stored, expected)
+                if key not in expected and not experts.takes(key):
+                    unexpected.append(stored)
                     continue
-                tensor = reader.get_tensor(key)
-                _put(model, key, _cast(tensor, expected[key], dtype, device))
+                tensor = reader.get_tensor(stored)
+                if key in expected:
+                    arrived = {key: _cast(tensor, expected[key], dtype, device)}
+                else:
+                    arrived = experts.add(key, tensor.to(device=device, dtype=dtype))
                 del tensor
-                loaded.add(key)
-                _advance(model, pending, owner_of, key, scheme)
+                for name, value in arrived.items():
+                    _put(model, name, value)
+                    loaded.add(name)
+                    _advance(model, pending, owner_of, name, scheme)
     if unexpected:
         raise ValueError(
             f"{directory} holds tensors {key_list(unexpected)} that "
@@ -119,6 +127,64 @@ def load_quantizing(
         )
     model.to(device)
     return model.eval()
+
+
+# Per-expert 2-D weights as save_pretrained writes them (Qwen-MoE style, or Mixtral's w1/w3/w2),
+# which transformers fuses into experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) and
+# experts.down_proj [E, H, I] when loading.
+_PER_EXPERT = re.compile(
+    r"^(?P<block>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<index>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_PROJ_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def _renamed(key: str, expected: dict[str, torch.Tensor]) -> str:
+    """The model's name for a checkpoint key (Mixtral checkpoints call the MoE block
+    ``block_sparse_moe``; transformers renames it ``mlp``)."""
+    renamed = key.replace(".block_sparse_moe.", ".mlp.")
+    return renamed if key not in expected and renamed in expected else key
+
+
+class ExpertStacker:
+    """Collects per-expert weights of one experts module until all have arrived, then fuses them."""
+
+    def __init__(self, expected: dict[str, torch.Tensor]) -> None:
+        self._expected = expected
+        self._parts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+
+    def _target(self, key: str) -> tuple[str, int, int] | None:
+        match = _PER_EXPERT.match(key)
+        if match is None:
+            return None
+        module = f"{match['block']}.mlp.experts"
+        if f"{module}.gate_up_proj" not in self._expected:
+            return None
+        return module, _PROJ_ROLE[match["proj"]], int(match["index"])
+
+    def takes(self, key: str) -> bool:
+        """Whether ``key`` is one expert's weight of a fused experts module of the model."""
+        return self._target(key) is not None
+
+    def add(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fused tensors of the module ``key`` completes (empty until it is complete)."""
+        target = self._target(key)
+        assert target is not None  # callers check takes() first
+        module, role, index = target
+        parts = self._parts.setdefault(module, {})
+        parts[(role, index)] = tensor
+        experts = self._expected[f"{module}.gate_up_proj"].shape[0]
+        if len(parts) < 3 * experts:
+            return {}
+        del self._parts[module]
+
+        def stacked(r: int) -> torch.Tensor:
+            return torch.stack([parts[(r, e)] for e in range(experts)])
+
+        return {
+            f"{module}.gate_up_proj": torch.cat([stacked(0), stacked(1)], dim=1),
+            f"{module}.down_proj": stacked(2),
+        }
 
 
 def _advance(
