@@ -122,19 +122,59 @@ def _load_from_source(
 ) -> Bridge:
     trust_remote_code = request.trust_remote_code
     kwargs.setdefault("use_safetensors", True)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        hf_model = _load_gguf(path, request, kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True
+            )
+        return _bridge(hf_model, tokenizer, trust_remote_code)
     location = _resolve_location(source, kwargs)
     if (Path(location) / _QLENS_MANIFEST).is_file():
         hf_model = _load_saved_quantized(location, request, kwargs)
     else:
         hf_model = _load_checkpoint(location, request, kwargs)
-    hf_model.eval()
     if tokenizer is None:
         tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)
-    elif isinstance(tokenizer, (str, os.PathLike)):
+    return _bridge(hf_model, tokenizer, trust_remote_code)
+
+
+def _bridge(hf_model: Any, tokenizer: TokenizerSource, trust_remote_code: bool) -> Bridge:
+    hf_model.eval()
+    if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(
             os.fspath(tokenizer), trust_remote_code=trust_remote_code
         )
     return Bridge(hf_model, tokenizer=tokenizer)
+
+
+def _load_gguf(path: Path, request: _Request, kwargs: dict[str, Any]) -> Any:
+    """A GGUF file: quantized tensors stay GGUF payloads (dequantize=True: a float model)."""
+    given = sorted(k for k in kwargs if k != "use_safetensors")
+    if request.quantize is not None:
+        given.append("quantize")
+    if given:
+        raise TypeError(
+            f"{str(path)!r} is a GGUF file, which qlens loads with dtype=, device= and "
+            f"dequantize= only; {', '.join(given)} cannot be applied to it."
+        )
+    dtype = _as_dtype(request.dtype if request.dtype not in (None, "auto") else torch.float32)
+    if request.dequantize:
+        from transformers import GgufConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=dtype,
+            device_map=request.device,
+            local_files_only=True,
+        )
+        return dequantized_model(model, dtype)
+    from qlens.gguf_loading import load_gguf_packed
+
+    return load_gguf_packed(path, dtype=dtype, device=request.device)
 
 
 def _load_checkpoint(location: str, request: _Request, kwargs: dict[str, Any]) -> Any:
@@ -217,8 +257,8 @@ def _resolve_location(source: str, kwargs: dict[str, Any]) -> str:
     if path.exists():
         if not path.is_dir():
             raise ValueError(
-                f"{source!r} is a file, not a model directory. Pass the directory that holds "
-                "config.json and the weights."
+                f"{source!r} is a file, not a model directory or a .gguf file. Pass the "
+                "directory that holds config.json and the weights, or a GGUF file."
             )
         if not (path / "config.json").is_file():
             raise ValueError(
