@@ -69,7 +69,7 @@ def _lent_kernel() -> Iterator[None]:
     from transformers.integrations.gguf import kernels
 
     previous = kernels._gguf_kernel
-    kernels._gguf_kernel = QlensGgufKernel()
+    kernels._gguf_kernel = QlensGgufKernel()  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -188,16 +188,17 @@ def _load_checkpoint(location: str, request: _Request, kwargs: dict[str, Any]) -
     if request.device is not None and "device_map" in kwargs:
         raise TypeError("Pass either device= or device_map=, not both.")
     if request.quantize is not None:
-        return _quantize_while_loading(location, config, request, dtype, kwargs)
+        return _quantize_while_loading(location, config, request.quantize, request, dtype, kwargs)
     if request.device is not None:
         kwargs["device_map"] = request.device
-    hf_model, info = AutoModelForCausalLM.from_pretrained(
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         location,
         dtype="auto" if request.dequantize and quantized else dtype,
         trust_remote_code=request.trust_remote_code,
         output_loading_info=True,
         **kwargs,
     )
+    hf_model, info = loaded
     require_complete_load(hf_model, info, location)
     if request.dequantize:
         return dequantized_model(hf_model, _as_dtype(dtype))
@@ -205,7 +206,12 @@ def _load_checkpoint(location: str, request: _Request, kwargs: dict[str, Any]) -
 
 
 def _quantize_while_loading(
-    location: str, config: Any, request: _Request, dtype: Any, kwargs: dict[str, Any]
+    location: str,
+    config: Any,
+    scheme: str,
+    request: _Request,
+    dtype: Any,
+    kwargs: dict[str, Any],
 ) -> Any:
     ignored = sorted(set(kwargs) - {"use_safetensors", *_HUB_KEYS})
     if ignored or not Path(location).is_dir():
@@ -217,9 +223,7 @@ def _quantize_while_loading(
     from qlens.quantize_on_load import load_quantizing
 
     device = torch.device(request.device if request.device is not None else "cpu")
-    return load_quantizing(
-        location, config, request.quantize, dtype=_as_dtype(dtype), device=device
-    )
+    return load_quantizing(location, config, scheme, dtype=_as_dtype(dtype), device=device)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 DEFAULT_REMEDY = (
     "Dequantize explicitly first: qlens.dequantize(module) for one layer, the "
