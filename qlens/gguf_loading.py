@@ -145,12 +145,14 @@ def _load_with_qlens_reader(
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import GGML_TYPES
     from qlens.quant.modules import QuantLinear
+    from qlens.quantize_on_load import put_tensor
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
+    expected = set(model.state_dict())
     loaded: set[str] = set()
     for tensor in reader.tensors:
         if tensor.name not in names:
@@ -163,37 +165,27 @@ def _load_with_qlens_reader(
             rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
             rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
             payload = gguf_payload(torch.from_numpy(np.array(rows, copy=True)), type_id)
-            bias = owner.bias if owner.bias is not None and not owner.bias.is_meta else None
+            bias = owner.bias
+            if bias is not None and bias.is_meta:  # its tensor comes later and replaces this
+                bias = torch.zeros(bias.shape, dtype=dtype)
             model.set_submodule(owner_name, QuantLinear(payload, bias))
         else:
             values = gguf_dequantize(tensor.data, tensor.tensor_type)
             values = processor.process(weights=values, name=tensor.name).weights
             value = torch.from_numpy(np.copy(values)).to(dtype)
-            _place(model, key, value)
+            put_tensor(model, key, value)
         loaded.add(key)
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
         if target not in loaded and source in loaded:
-            _place(model, target, model.get_parameter(source))
+            put_tensor(model, target, model.get_parameter(source))
             loaded.add(target)
-    left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    left = sorted(expected - loaded)
     if left:
         raise ValueError(
             f"{path.name} lacks tensors for {key_list(left)}; qlens does not fill weights with "
             "random values."
         )
     return model
-
-
-def _place(model: nn.Module, key: str, value: Tensor) -> None:
-    """Put ``value`` at ``key``; into a QuantLinear already built there, its bias."""
-    owner_name, _, leaf = key.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = (
-            value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
-        )
-    else:
-        owner._buffers[leaf] = value
 
 
 def to_qlens_modules(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from qlens.bridge import Bridge
 from qlens.load_checks import dequantized_model, require_complete_load
 from qlens.models import default_model_dir
+from qlens.quant.guards import quantization_method
 
 ModelSource = str | os.PathLike | torch.nn.Module | tuple | None
 TokenizerSource = str | os.PathLike | PreTrainedTokenizerBase | None
@@ -189,6 +190,10 @@ def _load_checkpoint(location: str, request: _Request, kwargs: dict[str, Any]) -
         raise TypeError("Pass either device= or device_map=, not both.")
     if request.quantize is not None:
         return _quantize_while_loading(location, config, request.quantize, request, dtype, kwargs)
+    from qlens.packed_load import packs_on_load
+
+    if quantized and packs_on_load(config):
+        return _load_packed(location, config, request, dtype, kwargs)
     if request.device is not None:
         kwargs["device_map"] = request.device
     loaded: Any = AutoModelForCausalLM.from_pretrained(
@@ -213,17 +218,34 @@ def _quantize_while_loading(
     dtype: Any,
     kwargs: dict[str, Any],
 ) -> Any:
-    ignored = sorted(set(kwargs) - {"use_safetensors", *_HUB_KEYS})
-    if ignored or not Path(location).is_dir():
-        raise TypeError(
-            "quantize= reads a local model directory of safetensors shards and takes dtype= and "
-            f"device= only; got {location!r} with {', '.join(ignored) or 'a hub id'}. Load the "
-            "model first and call qlens.quantize(bridge, scheme) instead."
-        )
+    _require_local_streaming(location, kwargs, "float checkpoints for quantize=")
     from qlens.quantize_on_load import load_quantizing
 
     device = torch.device(request.device if request.device is not None else "cpu")
     return load_quantizing(location, config, scheme, dtype=_as_dtype(dtype), device=device)
+
+
+def _load_packed(
+    location: str, config: Any, request: _Request, dtype: Any, kwargs: dict[str, Any]
+) -> Any:
+    """FP8-block / GPT-OSS MXFP4 checkpoints, kept packed (transformers would dequantize them)."""
+    from qlens.packed_load import load_packed
+
+    _require_local_streaming(location, kwargs, f"{quantization_method(config)} checkpoints")
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    device = torch.device(request.device if request.device is not None else "cpu")
+    model = load_packed(location, config, dtype=_as_dtype(dtype), device=device)
+    return dequantized_model(model, _as_dtype(dtype)) if request.dequantize else model
+
+
+def _require_local_streaming(location: str, kwargs: dict[str, Any], what: str) -> None:
+    ignored = sorted(set(kwargs) - {"use_safetensors", *_HUB_KEYS})
+    if ignored or not Path(location).is_dir():
+        raise TypeError(
+            f"qlens streams {what} from a local model directory of safetensors shards and takes "
+            f"dtype= and device= only; got {location!r} with {', '.join(ignored) or 'a hub id'}."
+        )
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

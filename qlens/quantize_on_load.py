@@ -98,12 +98,12 @@ def load_quantizing(
                     continue
                 tensor = reader.get_tensor(stored)
                 if key in expected:
-                    arrived = {key: _cast(tensor, expected[key], dtype, device)}
+                    arrived = {key: cast_like_from_pretrained(tensor, expected[key], dtype, device)}
                 else:
                     arrived = experts.add(key, tensor.to(device=device, dtype=dtype))
                 del tensor
                 for name, value in arrived.items():
-                    _put(model, name, value)
+                    put_tensor(model, name, value)
                     loaded.add(name)
                     _advance(model, pending, owner_of, name, scheme)
     if unexpected:
@@ -115,7 +115,7 @@ def load_quantizing(
         )
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
         if target not in loaded and source in loaded:
-            _put(model, target, model.get_parameter(source))
+            put_tensor(model, target, model.get_parameter(source))
             loaded.add(target)
             _advance(model, pending, owner_of, target, scheme)
     left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
@@ -206,7 +206,7 @@ def _advance(
     del pending[name]
 
 
-def _cast(
+def cast_like_from_pretrained(
     tensor: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``tensor`` as from_pretrained stores it: floats in the load dtype, others as they are."""
@@ -214,7 +214,8 @@ def _cast(
     return tensor.to(device=device, dtype=target)
 
 
-def _put(model: nn.Module, key: str, value: torch.Tensor) -> None:
+def put_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put ``value`` at parameter or buffer ``key`` of ``model`` (a Parameter kept as is)."""
     owner_name, _, leaf = key.rpartition(".")
     owner = model.get_submodule(owner_name)
     if leaf in owner._parameters:
