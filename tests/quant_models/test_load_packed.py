@@ -73,7 +73,7 @@ def test_fp8_block_linears_stay_packed(tmp_path: Path) -> None:
         quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
         dtype=torch.float32,
     ).eval()
-    for name, payload in payloads.items():
+    for name in payloads:
         packed = bridge.model.get_submodule(name.removesuffix(".weight"))
         assert torch.equal(qlens.dequantize(packed), reference.get_parameter(name)), name
     with torch.no_grad():
