@@ -165,7 +165,7 @@ def _load_with_qlens_reader(
             rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
             rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
             payload = gguf_payload(torch.from_numpy(np.array(rows, copy=True)), type_id)
-            bias = owner.bias
+            bias: Tensor | None = owner.bias
             if bias is not None and bias.is_meta:  # its tensor comes later and replaces this
                 bias = torch.zeros(bias.shape, dtype=dtype)
             model.set_submodule(owner_name, QuantLinear(payload, bias))
