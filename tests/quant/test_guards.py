@@ -198,3 +198,21 @@ def test_method_falls_back_to_a_generic_phrase_and_a_custom_remedy():
         "it holds packed quantization codes, not weight values (quantization: unknown "
         "quantization or non-float storage). Try harder."
     )
+
+
+def test_unfrozen_quanto_module_is_read_through_the_weight_its_forward_uses():
+    quanto = pytest.importorskip("optimum.quanto")
+    from qlens.weights.access import read_weight
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quanto.quantize(model, weights=quanto.qint4)  # not frozen: weight is still the float one
+    layer = model[0]
+    assert type(layer.weight) is torch.nn.Parameter
+    with pytest.raises(NotImplementedError, match="quantized tensor subclass optimum.quanto"):
+        read_weight(layer, operation="read W_in")
+    dequantized = read_weight(layer, operation="read W_in", dequantize=True)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(dequantized, layer.qweight.dequantize())
+        assert not torch.equal(dequantized, layer.weight)  # the float weight is not what runs
+        torch.testing.assert_close(layer(x), x @ dequantized.T + layer.bias)
