@@ -1,7 +1,5 @@
 """FP8-block and GPT-OSS MXFP4 checkpoints load packed through `qlens.load` on the CPU, where
-transformers would dequantize them. Checkpoints are written in transformers' documented on-disk
-layout (transformers writes neither format on a CPU): FP8 ``weight`` e4m3 + ``weight_scale_inv``
-per 128 x 128 block; GPT-OSS ``*_blocks [E, N, K/32, 16]`` / ``*_scales [E, N, K/32]``."""
+transformers would dequantize them (checkpoints: see transformers_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -10,58 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers_checkpoints import write_fp8_block_checkpoint, write_gpt_oss_mxfp4_checkpoint
 
 import qlens
-from qlens.quant.codecs.mx import mxfp4_to_gpt_oss
 from qlens.quant.modules import QuantExperts, QuantLinear
-from qlens.quant.quantize import quantize_weight
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.tensor([[1, 5, 9, 2, 17, 3]])
 
 
-def _fp8_checkpoint(path: Path) -> dict:
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=384, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    state = transformers.LlamaForCausalLM(config).state_dict()
-    payloads = {}
-    for name in [n for n in state if n.endswith("proj.weight")]:
-        payloads[name] = quantize_weight(state[name] * 0.02, "fp8-block")
-        state[name] = payloads[name].data
-        state[name.replace(".weight", ".weight_scale_inv")] = payloads[name].scales
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
-    config.quantization_config = {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-    }  # fmt: skip
-    config.save_pretrained(path)
-    return payloads
-
-
-def _gpt_oss_checkpoint(path: Path) -> dict:
-    config = transformers.GptOssConfig(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
-        vocab_size=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    state = transformers.GptOssForCausalLM(config).state_dict()
-    payloads = {}
-    for proj in ("gate_up_proj", "down_proj"):
-        key = f"model.layers.0.mlp.experts.{proj}"
-        weight = state.pop(key).transpose(1, 2).contiguous() * 0.02
-        payloads[key] = quantize_weight(weight, "mxfp4")
-        state[f"{key}_blocks"], state[f"{key}_scales"] = mxfp4_to_gpt_oss(payloads[key])
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
-    config.quantization_config = {"quant_method": "mxfp4"}
-    config.save_pretrained(path)
-    return payloads
-
-
 def test_fp8_block_linears_stay_packed(tmp_path: Path) -> None:
-    payloads = _fp8_checkpoint(tmp_path)
+    payloads = write_fp8_block_checkpoint(tmp_path)
     bridge = qlens.load(tmp_path, dtype=torch.float32)
     for name, payload in payloads.items():
         module = bridge.model.get_submodule(name.removesuffix(".weight"))
@@ -87,7 +44,7 @@ def test_fp8_block_linears_stay_packed(tmp_path: Path) -> None:
 
 
 def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path: Path) -> None:
-    payloads = _gpt_oss_checkpoint(tmp_path)
+    payloads = write_gpt_oss_mxfp4_checkpoint(tmp_path)
     bridge = qlens.load(tmp_path, dtype=torch.bfloat16)
     experts = bridge.model.model.layers[0].mlp.experts
     assert isinstance(experts, QuantExperts)
@@ -110,7 +67,7 @@ def test_gpt_oss_mxfp4_experts_stay_packed(tmp_path: Path) -> None:
 
 
 def test_incomplete_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
-    _fp8_checkpoint(tmp_path)
+    write_fp8_block_checkpoint(tmp_path)
     from safetensors.torch import load_file
 
     tensors = load_file(tmp_path / "model.safetensors")
