@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from transformers_checkpoints import write_fp8_block_checkpoint, write_gpt_oss_mxfp4_checkpoint
 
 import qlens
+from qlens.kernels.runtime import interpreting
 from qlens.quant.modules import QuantExperts, QuantLinear
 
 transformers = pytest.importorskip("transformers")
@@ -77,3 +78,24 @@ def test_incomplete_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
         ValueError, match=r"lacks tensors for model\.layers\.0\.mlp\.up_proj\.weight: .* no scales"
     ):
         qlens.load(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or interpreting(),
+    reason="needs a CUDA GPU with TRITON_INTERPRET=0",
+)
+def test_fp8_block_checkpoint_loads_packed_onto_the_gpu(tmp_path: Path) -> None:
+    payloads = write_fp8_block_checkpoint(tmp_path)
+    on_gpu = qlens.load(tmp_path, dtype=torch.bfloat16, device="cuda")
+    on_cpu = qlens.load(tmp_path, dtype=torch.bfloat16)
+    for name in payloads:
+        module = on_gpu.model.get_submodule(name.removesuffix(".weight"))
+        assert isinstance(module, QuantLinear) and module.payload.data.device.type == "cuda"
+        cpu_module = on_cpu.model.get_submodule(name.removesuffix(".weight"))
+        assert torch.equal(qlens.dequantize(module).cpu(), qlens.dequantize(cpu_module))
+    tokens = torch.tensor([[1, 5, 9, 2, 17, 3]])
+    with torch.no_grad():
+        ours, theirs = on_gpu(tokens.cuda()).float().cpu(), on_cpu(tokens).float()
+    # bf16 outputs: the GPU kernel and the CPU reference round their sums differently.
+    torch.testing.assert_close(ours, theirs, rtol=0.05, atol=0.05 * theirs.abs().max().item())
