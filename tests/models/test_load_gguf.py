@@ -11,6 +11,7 @@ from qlens import models
 from qlens.quant.modules import QuantLinear
 
 pytest.importorskip("gguf")
+pytestmark = pytest.mark.slow  # reads the embedded SmolLM2 GGUF file twice
 
 
 @pytest.fixture(scope="module")
