@@ -1,11 +1,13 @@
 """Load a ``.gguf`` file with its quantized linear weights kept as GGUF blocks in qlens modules.
 
-Llama-architecture files (Llama, SmolLM, Mistral...) are read by qlens: the model is built on the
-meta device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a
+Llama-architecture files (Llama, SmolLM, Mistral...) and architectures transformers reads without
+a special tensor processor (Qwen2, Qwen3...) are read by qlens: the model is built on the meta
+device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a
 type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put back in
 HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves whole
 rows of blocks) and the rest (embeddings, norms, types qlens has no codec for) is dequantized
-by gguf-py into float. Other architectures go through transformers' own GGUF loader; where it
+by gguf-py into float. Other architectures (MoE splits, Bloom/GPT-2 reshapes...) go through
+transformers' own GGUF loader; where it
 keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
 lends it a kernel computed by qlens' codecs and then swaps those modules for qlens
 ``QuantLinear`` / ``QuantExperts``; elsewhere transformers dequantizes, which is logged.
@@ -84,9 +86,13 @@ def load_gguf_packed(
 
     reader = GGUFReader(str(path))
     architecture = _field(reader, "general.architecture")
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    if architecture in _OWN_READER_ARCHS or architecture not in TENSOR_PROCESSORS:
+    # transformers' block-keeping reader, or its legacy one with an architecture-specific
+    # tensor processor (MoE splits, Bloom/GPT-2 reshapes...): transformers reads those.
+    own = architecture in _OWN_READER_ARCHS or architecture not in TENSOR_PROCESSORS
+    if own and not is_gguf_arch_supported(architecture):
         model = _load_with_qlens_reader(path, reader, architecture, dtype)
     else:
         model = _load_with_transformers(path, dtype)
@@ -95,8 +101,8 @@ def load_gguf_packed(
     return model.eval()
 
 
-# Architectures whose tensors qlens maps itself (transformers' name map and, for Llama, its
-# q/k row permutation); the others go through transformers' GGUF loader.
+# Architectures with a tensor processor that qlens applies to packed rows itself (Llama's q/k
+# row permutation); architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
 _OWN_READER_ARCHS = ("llama",)
 
 
