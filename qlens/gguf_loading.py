@@ -7,10 +7,10 @@ type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k ro
 HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves whole
 rows of blocks) and the rest (embeddings, norms, types qlens has no codec for) is dequantized
 by gguf-py into float. Other architectures (MoE splits, Bloom/GPT-2 reshapes...) go through
-transformers' own GGUF loader; where it
-keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
-lends it a kernel computed by qlens' codecs and then swaps those modules for qlens
-``QuantLinear`` / ``QuantExperts``; elsewhere transformers dequantizes, which is logged.
+transformers' own GGUF loader; where it keeps blocks packed (``GgufLinear`` / ``GgufExperts``,
+qwen35/lfm2 in transformers 5.x) qlens lends it a kernel computed by qlens' codecs and then
+swaps those modules for qlens ``QuantLinear`` / ``QuantExperts``; elsewhere transformers
+dequantizes, which is logged.
 """
 
 from __future__ import annotations
