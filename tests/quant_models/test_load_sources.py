@@ -13,6 +13,7 @@ from tiny_models import input_ids, make_model
 from torch import nn
 
 import qlens
+from qlens.bridge import Bridge
 from qlens.quant.modules import QuantExperts, QuantLinear
 from qlens.quant.serialization import load_quantized, save_quantized
 from qlens.weights import W_Q
@@ -36,6 +37,24 @@ def test_save_quantized_directory_loads_exactly(tmp_path: Path) -> None:
     assert torch.equal(_logits(bridge.model), _logits(load_quantized(tmp_path)))
     with pytest.raises(TypeError, match=r"written by qlens.save_quantized .* dtype cannot"):
         qlens.load(tmp_path, dtype=torch.bfloat16)
+    assert bridge.tokenizer is None  # a bare model was saved: no tokenizer
+
+
+def test_a_saved_bridge_reloads_with_its_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(95)} | {"[UNK]": 95}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    bridge = qlens.quantize(Bridge(make_model("llama"), tokenizer=tokenizer), "int8")
+    save_quantized(bridge, tmp_path)
+    again = qlens.load(tmp_path)
+    assert again.to_tokens("w3 w7", prepend_bos=False).tolist() == [[3, 7]]
+    tokens = again.to_tokens("w1 w2 w90", prepend_bos=False)
+    with torch.no_grad():
+        assert torch.equal(again(tokens), bridge(tokens))
 
 
 @pytest.mark.parametrize(("family", "scheme"), [("llama", "int4"), ("mixtral", "mxfp4")])
