@@ -103,6 +103,15 @@ def test_the_guards_remedy_runs_as_written(bnb_checkpoint: Path) -> None:
             assert torch.equal(linear.weight, qlens.dequantize(module)), name
     expected = W_Q(bridge, 0, dequantize=True).to(torch.float32)
     assert torch.equal(W_Q(floats, 0), expected)
+    # The other routes the message names work as written too.
+    assert "bridge.dequantized() context" in str(error.value)
+    with bridge.dequantized():
+        assert torch.equal(W_Q(bridge, 0).to(torch.float32), expected)
+    assert "qlens.dequantize(module)" in str(error.value)
+    q_proj = bridge.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(
+        qlens.dequantize(q_proj), floats.model.model.layers[0].self_attn.q_proj.weight
+    )
 
 
 @pytest.mark.parametrize(
