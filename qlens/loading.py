@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from qlens.bridge import Bridge
+from qlens.load_checks import dequantized_model, require_complete_load
 from qlens.models import default_model_dir
+from qlens.quant.guards import quantization_method
 
 ModelSource = str | os.PathLike | torch.nn.Module | tuple | None
 TokenizerSource = str | os.PathLike | PreTrainedTokenizerBase | None
@@ -28,6 +31,8 @@ TokenizerSource = str | os.PathLike | PreTrainedTokenizerBase | None
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # from_pretrained arguments that say where files come from; config and tokenizer loads need them too.
 _HUB_KEYS = ("local_files_only", "revision", "token", "cache_dir")
+# Written by qlens.save_quantized next to its weights (qlens.quant.serialization.MANIFEST_FILE).
+_QLENS_MANIFEST = "qlens_quantized.json"
 _CAUSAL_LM_CLASS_NAMES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
@@ -38,6 +43,8 @@ def load(
     device: str | torch.device | None = None,
     tokenizer: TokenizerSource = None,
     trust_remote_code: bool = False,
+    dequantize: bool = False,
+    quantize: str | None = None,
     **from_pretrained_kwargs: Any,
 ) -> Bridge:
     """Load a causal LM and wrap it in a `Bridge`.
@@ -49,7 +56,8 @@ def load(
         allow downloading);
       * an already-loaded `PreTrainedModel` (quantized or dispatched with `device_map` included),
         wrapped as it is: never moved, cast or copied;
-      * a `(model, tokenizer)` pair.
+      * a `(model, tokenizer)` pair;
+      * a directory written by `qlens.save_quantized` (reloaded exactly by `load_quantized`).
 
     `dtype=None` loads unquantized checkpoints in float32, which makes CPU analysis exact (bf16
     weights widen losslessly); quantized checkpoints keep the dtype their quantizer chooses. Pass
@@ -57,6 +65,14 @@ def load(
     Loading is safe by default: safetensors only (`use_safetensors=False` allows pickled weights,
     read with `weights_only=True`) and no remote code unless `trust_remote_code=True`. Remaining
     keyword arguments go to `AutoModelForCausalLM.from_pretrained`.
+
+    `dequantize=True` loads a quantized checkpoint as a float model: every quantized linear
+    becomes an `nn.Linear` (quantized experts: the family's float experts) holding the exact
+    dequantized weights in `dtype` (default float32). `quantize="int4"` (any scheme of
+    `qlens.quantize`) quantizes a float checkpoint while loading it, one tensor at a time, so the
+    float model is never held whole; the result equals `qlens.quantize(qlens.load(path), scheme)`.
+    A checkpoint whose tensors do not match its model (missing or unexpected keys) raises: qlens
+    never returns randomly initialised weights.
     """
     if isinstance(model, tuple):
         if len(model) != 2:
@@ -68,8 +84,13 @@ def load(
                 "Pass the tokenizer either inside the (model, tokenizer) pair or as tokenizer=, not both."
             )
         model, tokenizer = model
+    if dequantize and quantize is not None:
+        raise TypeError("Pass either dequantize=True or quantize=scheme, not both.")
     if isinstance(model, PreTrainedModel):
-        return _wrap_loaded(model, tokenizer, dtype, device, from_pretrained_kwargs)
+        options = dict(from_pretrained_kwargs)
+        options.update({"dequantize": True} if dequantize else {})
+        options.update({"quantize": quantize} if quantize is not None else {})
+        return _wrap_loaded(model, tokenizer, dtype, device, options)
     if isinstance(model, torch.nn.Module):
         raise TypeError(
             f"load() wraps Hugging Face models (transformers.PreTrainedModel); got "
@@ -82,33 +103,106 @@ def load(
             "load() takes nothing, a model directory, a hub id, a PreTrainedModel or a "
             f"(model, tokenizer) pair; got {type(model).__qualname__}."
         )
-    return _load_from_source(
-        os.fspath(model), dtype, device, tokenizer, trust_remote_code, from_pretrained_kwargs
-    )
+    request = _Request(dtype, device, trust_remote_code, dequantize, quantize)
+    return _load_from_source(os.fspath(model), request, tokenizer, from_pretrained_kwargs)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """How to load: what `load` was asked for besides the source and the tokenizer."""
+
+    dtype: torch.dtype | str | None
+    device: str | torch.device | None
+    trust_remote_code: bool
+    dequantize: bool
+    quantize: str | None
 
 
 def _load_from_source(
-    source: str,
-    dtype: torch.dtype | str | None,
-    device: str | torch.device | None,
-    tokenizer: TokenizerSource,
-    trust_remote_code: bool,
-    kwargs: dict[str, Any],
+    source: str, request: _Request, tokenizer: TokenizerSource, kwargs: dict[str, Any]
 ) -> Bridge:
+    trust_remote_code = request.trust_remote_code
     kwargs.setdefault("use_safetensors", True)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        hf_model = _load_gguf(path, request, kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True
+            )
+        return _bridge(hf_model, tokenizer, trust_remote_code)
     location = _resolve_location(source, kwargs)
-    config = _read_config(location, trust_remote_code, kwargs)
+    if (Path(location) / _QLENS_MANIFEST).is_file():
+        hf_model = _load_saved_quantized(location, request, kwargs)
+    else:
+        hf_model = _load_checkpoint(location, request, kwargs)
+    if tokenizer is None:
+        tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)
+    return _bridge(hf_model, tokenizer, trust_remote_code)
+
+
+def _bridge(hf_model: Any, tokenizer: TokenizerSource, trust_remote_code: bool) -> Bridge:
+    hf_model.eval()
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.fspath(tokenizer), trust_remote_code=trust_remote_code
+        )
+    return Bridge(hf_model, tokenizer=tokenizer)
+
+
+def _load_gguf(path: Path, request: _Request, kwargs: dict[str, Any]) -> Any:
+    """A GGUF file: quantized tensors stay GGUF payloads (dequantize=True: a float model)."""
+    given = sorted(k for k in kwargs if k != "use_safetensors")
+    if request.quantize is not None:
+        given.append("quantize")
+    if given:
+        raise TypeError(
+            f"{str(path)!r} is a GGUF file, which qlens loads with dtype=, device= and "
+            f"dequantize= only; {', '.join(given)} cannot be applied to it."
+        )
+    dtype = _as_dtype(request.dtype if request.dtype not in (None, "auto") else torch.float32)
+    if request.dequantize:
+        from transformers import GgufConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=dtype,
+            device_map=request.device,
+            local_files_only=True,
+        )
+        return dequantized_model(model, dtype)
+    from qlens.gguf_loading import load_gguf_packed
+
+    return load_gguf_packed(path, dtype=dtype, device=request.device)
+
+
+def _load_checkpoint(location: str, request: _Request, kwargs: dict[str, Any]) -> Any:
+    config = _read_config(location, request.trust_remote_code, kwargs)
     _require_causal_lm_config(config, location)
     _require_safetensors_unless_allowed(location, kwargs)
+    quantized = getattr(config, "quantization_config", None) is not None
+    dtype = request.dtype
     if dtype is None:
-        dtype = "auto" if getattr(config, "quantization_config", None) else torch.float32
-    if device is not None:
-        if "device_map" in kwargs:
-            raise TypeError("Pass either device= or device_map=, not both.")
-        kwargs["device_map"] = device
+        dtype = "auto" if quantized and not request.dequantize else torch.float32
+    if request.device is not None and "device_map" in kwargs:
+        raise TypeError("Pass either device= or device_map=, not both.")
+    if request.quantize is not None:
+        return _quantize_while_loading(location, config, request.quantize, request, dtype, kwargs)
+    from qlens.packed_load import packs_on_load
+
+    if quantized and packs_on_load(config):
+        return _load_packed(location, config, request, dtype, kwargs)
+    if request.device is not None:
+        kwargs["device_map"] = request.device
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            location,
+            dtype="auto" if request.dequantize and quantized else dtype,
+            trust_remote_code=request.trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
         )
     except RuntimeError as error:
         from qlens.quant.adopt.compressed_tensors import explain_load_failure
@@ -117,18 +211,84 @@ def _load_from_source(
         if explained is None:
             raise
         raise explained from error
-    if getattr(config, "quantization_config", None):
+    hf_model, info = loaded
+    if quantized:
         from qlens.quant.adopt.ct_experts import check_fused_experts
 
+        # Names the experts whose values differ from the checkpoint's before the generic check
+        # refuses float experts of a quantized checkpoint.
         check_fused_experts(hf_model, location)
-    hf_model.eval()
-    if tokenizer is None:
-        tokenizer = _find_tokenizer(location, trust_remote_code, kwargs)
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.fspath(tokenizer), trust_remote_code=trust_remote_code
+    require_complete_load(hf_model, info, location)
+    if request.dequantize:
+        return dequantized_model(hf_model, _as_dtype(dtype))
+    return hf_model
+
+
+def _quantize_while_loading(
+    location: str,
+    config: Any,
+    scheme: str,
+    request: _Request,
+    dtype: Any,
+    kwargs: dict[str, Any],
+) -> Any:
+    _require_local_streaming(location, kwargs, "float checkpoints for quantize=")
+    from qlens.quantize_on_load import load_quantizing
+
+    device = torch.device(request.device if request.device is not None else "cpu")
+    return load_quantizing(location, config, scheme, dtype=_as_dtype(dtype), device=device)
+
+
+def _load_packed(
+    location: str, config: Any, request: _Request, dtype: Any, kwargs: dict[str, Any]
+) -> Any:
+    """FP8-block / GPT-OSS MXFP4 checkpoints, kept packed (transformers would dequantize them)."""
+    from qlens.packed_load import load_packed
+
+    _require_local_streaming(location, kwargs, f"{quantization_method(config)} checkpoints")
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    device = torch.device(request.device if request.device is not None else "cpu")
+    model = load_packed(location, config, dtype=_as_dtype(dtype), device=device)
+    return dequantized_model(model, _as_dtype(dtype)) if request.dequantize else model
+
+
+def _require_local_streaming(location: str, kwargs: dict[str, Any], what: str) -> None:
+    ignored = sorted(set(kwargs) - {"use_safetensors", *_HUB_KEYS})
+    if ignored or not Path(location).is_dir():
+        raise TypeError(
+            f"qlens streams {what} from a local model directory of safetensors shards and takes "
+            f"dtype= and device= only; got {location!r} with {', '.join(ignored) or 'a hub id'}."
         )
-    return Bridge(hf_model, tokenizer=tokenizer)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(
+            f"dtype {dtype!r} is not a floating torch dtype; pass e.g. torch.float32 or 'bfloat16'"
+        )
+    return value
+
+
+def _load_saved_quantized(location: str, request: _Request, kwargs: dict[str, Any]) -> Any:
+    """A directory written by qlens.save_quantized: its payloads reload exactly."""
+    given = sorted(k for k in kwargs if k != "use_safetensors")
+    given += [n for n, v in (("dtype", request.dtype), ("quantize", request.quantize)) if v]
+    if given:
+        raise TypeError(
+            f"{location!r} was written by qlens.save_quantized and reloads exactly as saved, so "
+            f"{', '.join(given)} cannot be applied. Pass device= (and dequantize=True for a "
+            "float copy) only, or cast the loaded model yourself."
+        )
+    from qlens.quant.serialization import load_quantized
+
+    model = load_quantized(location, device=request.device or "cpu")
+    if request.dequantize:
+        return dequantized_model(model, torch.float32)
+    return model
 
 
 def _resolve_location(source: str, kwargs: dict[str, Any]) -> str:
@@ -137,8 +297,8 @@ def _resolve_location(source: str, kwargs: dict[str, Any]) -> str:
     if path.exists():
         if not path.is_dir():
             raise ValueError(
-                f"{source!r} is a file, not a model directory. Pass the directory that holds "
-                "config.json and the weights."
+                f"{source!r} is a file, not a model directory or a .gguf file. Pass the "
+                "directory that holds config.json and the weights, or a GGUF file."
             )
         if not (path / "config.json").is_file():
             raise ValueError(

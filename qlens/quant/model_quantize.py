@@ -98,13 +98,13 @@ def quantize(
                 f"quantize expects an nn.Module or a qlens Bridge; got {type(model_or_bridge).__name__}"
             )
     patterns = tuple(DEFAULT_SKIP if skip is None else skip)
-    plans = _plan(model, patterns)
+    plans = plan_quantization(model, patterns)
     if not inplace:
         model = _copy_without_quantized_weights(model, plans)
         plans = [_Plan(p.name, model.get_submodule(p.name), p.kind) for p in plans]
     before = after = 0
     for plan in plans:
-        new_module = _quantized(plan, scheme, options)
+        new_module = quantized_module(plan, scheme, options)
         before += sum(t.numel() * t.element_size() for t in plan.module.parameters())
         after += sum(t.numel() * t.element_size() for t in new_module.state_dict().values())
         model.set_submodule(plan.name, new_module)
@@ -121,7 +121,10 @@ def quantize(
     return type(bridge)(model, tokenizer=getattr(bridge, "tokenizer", None))
 
 
-def _plan(model: nn.Module, patterns: tuple[str, ...]) -> list[_Plan]:
+def plan_quantization(
+    model: nn.Module, patterns: tuple[str, ...], *, on_meta: bool = False
+) -> list[_Plan]:
+    """The modules ``quantize`` swaps, in module order (``on_meta``: weights not loaded yet)."""
     from transformers.pytorch_utils import Conv1D
 
     plans: list[_Plan] = []
@@ -141,7 +144,7 @@ def _plan(model: nn.Module, patterns: tuple[str, ...]) -> list[_Plan]:
         if matched is not None:
             logger.info("kept %s unquantized: matches skip pattern %r", name, matched)
             continue
-        reason = _ineligible(module, kind)
+        reason = _ineligible(module, kind, on_meta)
         if reason is not None:
             logger.info("kept %s unquantized: %s", name, reason)
             continue
@@ -150,14 +153,14 @@ def _plan(model: nn.Module, patterns: tuple[str, ...]) -> list[_Plan]:
     return plans
 
 
-def _ineligible(module: nn.Module, kind: str) -> str | None:
+def _ineligible(module: nn.Module, kind: str, on_meta: bool) -> str | None:
     if kind == "experts":
         read = read_fused_experts(module)
         return read if isinstance(read, str) else None
     weight: torch.Tensor = getattr(module, "weight")  # noqa: B009 (nn.Linear or Conv1D)
     if not (weight.is_floating_point() and weight.element_size() >= 2):
         return f"its weight is {weight.dtype}, not a float (already quantized?)"
-    if weight.device.type == "meta":
+    if weight.device.type == "meta" and not on_meta:
         return "its weight is on the meta device (never materialized)"
     return None
 
@@ -200,7 +203,8 @@ def _quantize(
         ) from error
 
 
-def _quantized(plan: _Plan, scheme: str, options: dict[str, Any]) -> nn.Module:
+def quantized_module(plan: _Plan, scheme: str, options: dict[str, Any]) -> nn.Module:
+    """The QuantLinear / QuantExperts replacing ``plan.module``, quantized with ``scheme``."""
     module: Any = plan.module
     if plan.kind in ("linear", "conv1d"):
         weight = module.weight if plan.kind == "linear" else module.weight.t()

@@ -30,7 +30,10 @@ FORMAT_VERSION = 1
 
 
 def save_quantized(model_or_bridge: Any, directory: str | Path) -> Path:
-    """Write ``model_or_bridge`` (a transformers model or a Bridge over one) to ``directory``."""
+    """Write ``model_or_bridge`` (a transformers model or a Bridge over one) to ``directory``.
+
+    A Bridge's tokenizer is saved too, so ``qlens.load(directory)`` gives a Bridge that takes text.
+    """
     model = _model_of(model_or_bridge)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -61,6 +64,9 @@ def save_quantized(model_or_bridge: Any, directory: str | Path) -> Path:
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     config.save_pretrained(directory)
+    tokenizer = getattr(model_or_bridge, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)  # qlens.load(directory) finds it there
     return directory
 
 

@@ -24,6 +24,7 @@ from qlens.quant.guards import (
     quantization_method,
     require_readable_weight,
     unreadable_weight_reason,
+    weight_problem,
 )
 from qlens.quant.libraries import library_of
 
@@ -34,10 +35,6 @@ _OPTED_IN: contextvars.ContextVar[tuple[object, ...]] = contextvars.ContextVar(
 )
 
 GateUpLayout = Literal["halves", "interleaved"]
-META_REMEDY = (
-    "Materialize the weights first: load the model without meta-device initialization, or onload "
-    "offloaded weights (dequantization cannot help: there are no values to rebuild)."
-)
 
 
 @contextlib.contextmanager
@@ -70,6 +67,12 @@ def dequantize_opted_in(owner: Any, dequantize: bool = False) -> bool:
 
 def _is_meta(weight: Any) -> bool:
     return isinstance(weight, Tensor) and weight.device.type == "meta"
+
+
+def _beyond_dequantization(weight: Any) -> bool:
+    """Unreadable for a reason dequantization cannot fix (meta, uninitialized, complex, numpy)."""
+    problem = weight_problem(weight)
+    return problem is not None and not problem.quantized
 
 
 def is_payload_module(module: nn.Module) -> bool:
@@ -184,13 +187,8 @@ def read_weight(
     reason = unreadable_weight_reason(stored)
     if reason is None:
         return stored.T if is_conv1d(source) else stored
-    if not opted or _is_meta(stored):
-        require_readable_weight(
-            stored,
-            operation=operation,
-            owner=method_owner(source, owner),
-            remedy=META_REMEDY if _is_meta(stored) else None,
-        )
+    if not opted or _beyond_dequantization(stored):
+        require_readable_weight(stored, operation=operation, owner=method_owner(source, owner))
     if is_payload_module(source) or is_hf_quantized(source):
         value = _dequantize_module(source)
         if isinstance(value, dict):
@@ -213,13 +211,8 @@ def read_tensor(
     reason = unreadable_weight_reason(weight)
     if reason is None:
         return weight
-    if not dequantize_opted_in(owner, dequantize) or _is_meta(weight):
-        require_readable_weight(
-            weight,
-            operation=operation,
-            owner=owner,
-            remedy=META_REMEDY if _is_meta(weight) else None,
-        )
+    if not dequantize_opted_in(owner, dequantize) or _beyond_dequantization(weight):
+        require_readable_weight(weight, operation=operation, owner=owner)
     return _dequantize_tensor(weight, operation, reason)
 
 

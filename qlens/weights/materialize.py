@@ -10,9 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qlens.quant.guards import require_readable_weight
+from qlens.quant.guards import require_readable_weight, weight_problem
 from qlens.weights.access import (
-    META_REMEDY,
     dequantize_opted_in,
     method_owner,
     read_optional,
@@ -63,28 +62,36 @@ class Processed:
     summary: ProcessingSummary
 
 
-def prepare(bridge: Any, operation: str, *, dequantize: bool, inplace: bool) -> Processed:
+def prepare(
+    bridge: Any,
+    operation: str,
+    *,
+    dequantize: bool,
+    inplace: bool,
+    dtype: torch.dtype | None = None,
+) -> Processed:
     """The bridge to process (a deep copy unless ``inplace``) with every weight readable.
 
     Scans all weights of the model (every parameter, 3-D experts, quantized modules). Any
     unreadable one raises through the guard unless ``dequantize`` (or a ``dequantized(bridge)``
     block); then quantized linear layers are replaced by float ``nn.Linear``, quantized experts
     modules by float experts modules of the model's HF class and quantized parameters by float
-    ones, announced in the log with their memory and listed in the summary.
+    ones, announced in the log with their memory and listed in the summary. They are rebuilt in
+    ``dtype`` (default: the dtype of the model's readable float parameters).
     """
     dequantize = dequantize_opted_in(bridge, dequantize)
     found = unreadable_weights(bridge.model)
-    meta = [f for f in found if "meta device" in f.reason]
-    if found and (not dequantize or meta):
-        first = (meta or found)[0]
+    # Meta, uninitialized, complex...: dequantization cannot fix these, so they refuse first.
+    unfixable = [f for f in found if not _fixed_by_dequantization(f.value)]
+    if found and (not dequantize or unfixable):
+        first = (unfixable or found)[0]
         others = f" ({len(found)} unreadable weights in all, first: {first.name})"
         require_readable_weight(
             first.value,
             operation=operation + others,
             owner=method_owner(first.module, bridge.model),
-            remedy=META_REMEDY if meta else None,
         )
-    dtype = float_dtype(bridge.model)
+    dtype = dtype or float_dtype(bridge.model)
     planned = {item.name: _planned_bytes(item, dtype, operation) for item in found}
     if planned:
         logger.warning(
@@ -100,6 +107,11 @@ def prepare(bridge: Any, operation: str, *, dequantize: bool, inplace: bool) -> 
     for item in unreadable_weights(model):
         _materialize(model, item, dtype, operation, summary, bridge.adapter)
     return Processed(type(bridge)(model, tokenizer=bridge.tokenizer), summary)
+
+
+def _fixed_by_dequantization(value: Any) -> bool:
+    problem = weight_problem(value)
+    return problem is None or problem.quantized
 
 
 def _planned_bytes(item: UnreadableWeight, dtype: torch.dtype, operation: str) -> int:

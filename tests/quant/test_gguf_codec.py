@@ -3,11 +3,14 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
 from qlens.quant.codecs.gguf import (  # noqa: E402
     GGML_TYPES,
+    MXFP4,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -71,6 +74,38 @@ def test_k_quants_match_gguf_py(ggml_type):
     assert torch.equal(got, expected)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    blocks_per_row=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+    exponent_range=st.sampled_from([(0, 256), (0, 4), (100, 160), (250, 256)]),
+)
+def test_mxfp4_matches_gguf_py_on_every_byte_pattern(rows, blocks_per_row, seed, exponent_range):
+    """Random raw blocks, exponents included (denormal scales for e < 2, huge ones near 255)."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (rows * blocks_per_row, MXFP4.type_size), dtype=np.uint8)
+    packed[:, 0] = rng.integers(*exponent_range, rows * blocks_per_row, dtype=np.uint8)
+    packed = packed.reshape(rows, -1)
+    qtype = gguf.GGMLQuantizationType.MXFP4
+    expected = torch.from_numpy(gguf.quants.dequantize(packed, qtype))
+    shape = (rows, 32 * blocks_per_row)
+    got = dequantize_gguf(_payload(torch.from_numpy(packed), MXFP4, shape), torch.float32)
+    assert torch.equal(got, expected)
+
+
+def test_mxfp4_quantized_by_gguf_py_matches():
+    weight = (np.random.default_rng(3).standard_normal((5, 128)) * 0.05).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType.MXFP4
+    packed = gguf.quants.quantize(weight, qtype)
+    assert packed.shape == (5, row_bytes(MXFP4, 128)) == (5, 4 * 17)
+    expected = torch.from_numpy(gguf.quants.dequantize(packed, qtype))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_gguf(_payload(torch.from_numpy(packed), MXFP4, (5, 128)), dtype)
+        assert torch.equal(got, expected.to(dtype))
+    assert gguf_format(MXFP4).scale_dtype == "e8m0" and gguf_format(MXFP4).bits == 4
+
+
 def test_expert_stack_and_input_permutation():
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((2, 4, 64))).astype(np.float32)
@@ -104,7 +139,7 @@ def test_rejects_bad_payloads():
             _payload(data, Q4_0, (2, 64), input_permutation=torch.zeros(64, dtype=torch.int64)),
             torch.float32,
         )
-    assert set(GGML_TYPES) == {2, 3, 6, 7, 8, 10, 11, 12, 13, 14}
+    assert set(GGML_TYPES) == {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39}
 
 
 def test_registered_in_the_dequantizer_registry():

@@ -1,12 +1,19 @@
 """The weight-space guard: readable tensors pass unchanged, everything else names its reason."""
 
 import enum
+import inspect
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from qlens.quant.guards import (
+    COMPLEX_REMEDY,
+    DEFAULT_REMEDY,
+    META_REMEDY,
+    NUMPY_REMEDY,
+    UNINITIALIZED_REMEDY,
     describe_quantization,
     quantization_method,
     require_readable_weight,
@@ -42,7 +49,6 @@ def test_readable_weights_pass_through_as_the_same_object(dtype):
         (torch.zeros(4, 4).to(torch.float8_e4m3fn), "1-byte float dtype torch.float8_e4m3fn"),
         (torch.zeros(4, 4).to(torch.float8_e5m2), "1-byte float dtype torch.float8_e5m2"),
         (_PackedWrapper(), "not a torch.Tensor but a test_guards._PackedWrapper"),
-        (torch.empty(4, 4, device="meta"), "meta device: it was never materialized"),
         (None, "the weight is missing (None)"),
     ],
 )
@@ -56,9 +62,59 @@ def test_unreadable_weights_give_their_reason(weight, reason):
     assert "qlens.dequantize(module)" in message
 
 
-def test_meta_weights_are_not_blamed_on_quantization():
-    reason = unreadable_weight_reason(torch.empty(2, 2, device="meta"))
-    assert "not a quantization problem" in reason
+@pytest.mark.parametrize(
+    ("weight", "reason", "remedy"),
+    [
+        (
+            torch.empty(4, 4, device="meta"),
+            "the weight is on the meta device: it was never materialized (or was offloaded), "
+            "so there are no values to read",
+            META_REMEDY,
+        ),
+        (
+            torch.nn.UninitializedParameter(),
+            "the weight is an uninitialized lazy parameter (UninitializedParameter): it has no "
+            "shape and no values yet",
+            UNINITIALIZED_REMEDY,
+        ),
+        (
+            torch.zeros(3, 2, dtype=torch.complex64),
+            "the weight has complex dtype torch.complex64: it is not a real floating-point "
+            "weight (complex is not a quantized format)",
+            COMPLEX_REMEDY,
+        ),
+        (
+            np.zeros((3, 2), dtype=np.float32),
+            "the weight is a numpy array (float32, shape [3, 2]), not a torch.Tensor",
+            NUMPY_REMEDY,
+        ),
+    ],
+)
+def test_problems_other_than_quantization_give_one_cause_and_their_own_remedy(
+    weight, reason, remedy
+):
+    assert unreadable_weight_reason(weight) == reason
+    owner = SimpleNamespace(config={"quant_method": "gptq"})
+    with pytest.raises(NotImplementedError) as info:
+        require_readable_weight(weight, operation="read W_Q", owner=owner)
+    assert str(info.value) == f"qlens cannot read W_Q because {reason}. {remedy}"
+    assert "quantiz" not in remedy.lower()
+
+
+def test_lazy_module_weight_is_refused_until_its_first_forward():
+    lazy = torch.nn.LazyLinear(3)
+    with pytest.raises(NotImplementedError, match="uninitialized lazy parameter"):
+        require_readable_weight(lazy.weight, operation="read W_in")
+    lazy(torch.zeros(1, 5))
+    assert require_readable_weight(lazy.weight, operation="read W_in") is lazy.weight
+
+
+def test_the_default_remedy_names_routes_that_exist():
+    import qlens
+
+    assert "qlens.load(path, dequantize=True)" in DEFAULT_REMEDY
+    assert callable(qlens.dequantize) and callable(qlens.dequantized)
+    assert "dequantize" in inspect.signature(qlens.load).parameters
 
 
 def test_torchao_tensor_subclass_is_unreadable_despite_its_float_dtype():
@@ -142,3 +198,21 @@ def test_method_falls_back_to_a_generic_phrase_and_a_custom_remedy():
         "it holds packed quantization codes, not weight values (quantization: unknown "
         "quantization or non-float storage). Try harder."
     )
+
+
+def test_unfrozen_quanto_module_is_read_through_the_weight_its_forward_uses():
+    quanto = pytest.importorskip("optimum.quanto")
+    from qlens.weights.access import read_weight
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quanto.quantize(model, weights=quanto.qint4)  # not frozen: weight is still the float one
+    layer = model[0]
+    assert type(layer.weight) is torch.nn.Parameter
+    with pytest.raises(NotImplementedError, match="quantized tensor subclass optimum.quanto"):
+        read_weight(layer, operation="read W_in")
+    dequantized = read_weight(layer, operation="read W_in", dequantize=True)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(dequantized, layer.qweight.dequantize())
+        assert not torch.equal(dequantized, layer.weight)  # the float weight is not what runs
+        torch.testing.assert_close(layer(x), x @ dequantized.T + layer.bias)

@@ -47,7 +47,8 @@ def _has_wrappers(module: nn.Module) -> bool:
     return True
 
 
-def _payload(blocks: torch.Tensor, scales: torch.Tensor, projection: str) -> QuantPayload:
+def gpt_oss_payload(blocks: torch.Tensor, scales: torch.Tensor, projection: str) -> QuantPayload:
+    """MXFP4 payload ``[E, out, in]`` of one projection's checkpoint ``*_blocks`` / ``*_scales``."""
     payload = mxfp4_from_gpt_oss(blocks, scales)
     payload.layout["source"] = "gpt-oss"
     if projection == "gate_up_proj":
@@ -58,7 +59,7 @@ def _payload(blocks: torch.Tensor, scales: torch.Tensor, projection: str) -> Qua
 @register_adopter("GPT-OSS experts holding *_blocks / *_scales MXFP4 buffers", _has_buffers)
 def adopt_gpt_oss_buffers(module: nn.Module) -> dict[str, QuantPayload]:
     return {
-        p: _payload(getattr(module, f"{p}_blocks"), getattr(module, f"{p}_scales"), p)
+        p: gpt_oss_payload(getattr(module, f"{p}_blocks"), getattr(module, f"{p}_scales"), p)
         for p in PROJECTIONS
     }
 
@@ -88,5 +89,5 @@ def adopt_gpt_oss_wrappers(module: nn.Module) -> dict[str, QuantPayload]:
                 f"GPT-OSS {p}: unswizzled data {list(blocks.shape)} does not hold 16 bytes per "
                 f"scale of {list(scales.shape)}; is the layout's unswizzle_data correct?"
             )
-        payloads[p] = _payload(blocks.reshape(*scales.shape, 16), scales, p)
+        payloads[p] = gpt_oss_payload(blocks.reshape(*scales.shape, 16), scales, p)
     return payloads

@@ -1,4 +1,4 @@
-"""GGUF (GGML) block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quants Q2_K-Q6_K, in pure torch.
+"""GGUF (GGML) block formats Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants Q2_K-Q6_K and MXFP4, in pure torch.
 
 A payload keeps GGML's raw blocks: ``data`` is ``uint8 [..., row_bytes]`` (one row of blocks per
 logical row, K = blocks_per_row * block_size), ``shape`` the logical ``[..., K]`` shape, scales live
@@ -13,7 +13,10 @@ little-endian uint32. K-quants use 256-blocks: Q4_K/Q5_K hold 8 sub-blocks of 32
 bit g of 32 bytes; Q2_K (and Q3_K's low 2 bits, its third bit inverted in a 32-byte mask)
 packs 2-bit codes 4 per byte over 128-element halves; Q6_K splits the low 4 bits and high 2 bits
 over 128-element halves. ``d`` scales are float16; K-quant sub-block scales are 6-bit
-(Q3_K-Q5_K), 4-bit (Q2_K) or int8 (Q6_K).
+(Q3_K-Q5_K), 4-bit (Q2_K) or int8 (Q6_K). MXFP4 (type 39) blocks are 17 bytes per 32: an E8M0
+exponent byte ``e`` then 16 bytes of E2M1 codes (low nibbles elements 0-15, high 16-31); GGML
+scales the doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, negated for codes 8-15) by
+``2^(e - 128)`` (``ggml_e8m0_to_fp32_half``: E8M0's bias of 127, halved).
 """
 
 from __future__ import annotations
@@ -53,7 +56,12 @@ Q3_K = GgmlType("Q3_K", 11, 256, 110)
 Q4_K = GgmlType("Q4_K", 12, 256, 144)
 Q5_K = GgmlType("Q5_K", 13, 256, 176)
 Q6_K = GgmlType("Q6_K", 14, 256, 210)
-GGML_TYPES = {t.type_id: t for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
+MXFP4 = GgmlType("MXFP4", 39, 32, 17)
+GGML_TYPES = {
+    t.type_id: t for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)
+}
+# E2M1 code -> twice its value (GGML's kvalues_mxfp4).
+_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def gguf_format(ggml_type: GgmlType) -> QuantFormat:
@@ -63,7 +71,7 @@ def gguf_format(ggml_type: GgmlType) -> QuantFormat:
         element=ggml_type.name.lower(),
         bits=8 * ggml_type.type_size // ggml_type.block_size,
         block=(1, ggml_type.block_size),
-        scale_dtype="fp16",
+        scale_dtype="e8m0" if ggml_type is MXFP4 else "fp16",
         zero_point="float" if ggml_type in (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) else "none",
         description=f"GGML {ggml_type.name} blocks ({ggml_type.type_size} bytes per "
         f"{ggml_type.block_size} weights)",
@@ -211,6 +219,19 @@ def _q6_k(blocks: Tensor) -> Tensor:
     return (d * q).reshape(n, 256)
 
 
+def _e8m0_half(exponents: Tensor) -> Tensor:
+    """``2^(e - 128)`` in float32 from E8M0 bytes, bit-built as GGML does (denormal for e < 2)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(0x00200000, e), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(blocks: Tensor) -> Tensor:
+    codes = low_high_nibbles(blocks[:, 1:], 16).to(torch.int64)
+    table = torch.tensor(_MXFP4_DOUBLED, dtype=torch.float32, device=blocks.device)
+    return _e8m0_half(blocks[:, :1]) * table[codes]
+
+
 _DECODERS: dict[int, Callable[[Tensor], Tensor]] = {
     Q4_0.type_id: _q4_0,
     Q4_1.type_id: _q4_1,
@@ -222,6 +243,7 @@ _DECODERS: dict[int, Callable[[Tensor], Tensor]] = {
     Q4_K.type_id: _q4_k,
     Q5_K.type_id: _q5_k,
     Q6_K.type_id: _q6_k,
+    MXFP4.type_id: _mxfp4,
 }
 
 

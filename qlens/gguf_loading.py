@@ -1,0 +1,223 @@
+"""Load a ``.gguf`` file with its quantized linear weights kept as GGUF blocks in qlens modules.
+
+Llama-architecture files (Llama, SmolLM, Mistral...) and architectures transformers reads without
+a special tensor processor (Qwen2, Qwen3...) are read by qlens: the model is built on the meta
+device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a
+type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put back in
+HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves whole
+rows of blocks) and the rest (embeddings, norms, types qlens has no codec for) is dequantized
+by gguf-py into float. Other architectures (MoE splits, Bloom/GPT-2 reshapes...) go through
+transformers' own GGUF loader; where it keeps blocks packed (``GgufLinear`` / ``GgufExperts``,
+qwen35/lfm2 in transformers 5.x) qlens lends it a kernel computed by qlens' codecs and then
+swaps those modules for qlens ``QuantLinear`` / ``QuantExperts``; elsewhere transformers
+dequantizes, which is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+
+class QlensGgufKernel:
+    """transformers' GGUF kernel interface, computed by qlens' codecs (float32 math)."""
+
+    @staticmethod
+    def supports(ggml_type: int) -> bool:
+        from qlens.quant.codecs.gguf import GGML_TYPES
+
+        return ggml_type in GGML_TYPES
+
+    @staticmethod
+    def dequantize(
+        weight: Tensor, ggml_type: int, rows: int, cols: int, dtype: torch.dtype
+    ) -> Tensor:
+        from qlens.quant.codecs.gguf import dequantize_gguf_rows, ggml_type_by_id
+
+        values = dequantize_gguf_rows(weight, ggml_type_by_id(ggml_type))
+        return values.reshape(rows, cols).to(dtype)
+
+    @classmethod
+    def get_rows(
+        cls, weight: Tensor, indices: Tensor, ggml_type: int, cols: int, dtype: torch.dtype
+    ) -> Tensor:
+        rows = weight.index_select(0, indices)
+        return cls.dequantize(rows, ggml_type, rows.shape[0], cols, dtype)
+
+    @classmethod
+    def mul_mat_vec(cls, weight: Tensor, x: Tensor, ggml_type: int, out_features: int) -> Tensor:
+        full = cls.dequantize(weight, ggml_type, out_features, x.shape[-1], torch.float32)
+        return x.float() @ full.T
+
+    @staticmethod
+    def mul_mat_id(*args: Any) -> Tensor:
+        raise NotImplementedError(
+            "GGUF experts loaded by qlens run as qlens QuantExperts; this GgufExperts module was "
+            "not converted (load the file with qlens.load)"
+        )
+
+
+@contextlib.contextmanager
+def _lent_kernel() -> Iterator[None]:
+    """transformers' GGUF loader sees qlens' kernel for the duration of one load."""
+    from transformers.integrations.gguf import kernels
+
+    previous = kernels._gguf_kernel
+    kernels._gguf_kernel = QlensGgufKernel()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kernels._gguf_kernel = previous
+
+
+def load_gguf_packed(
+    path: Path, *, dtype: torch.dtype, device: str | torch.device | None
+) -> nn.Module:
+    """The causal LM in the GGUF file ``path``, quantized linears kept as GGUF payloads."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    architecture = _field(reader, "general.architecture")
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    # transformers' block-keeping reader, or its legacy one with an architecture-specific
+    # tensor processor (MoE splits, Bloom/GPT-2 reshapes...): transformers reads those.
+    own = architecture in _OWN_READER_ARCHS or architecture not in TENSOR_PROCESSORS
+    if own and not is_gguf_arch_supported(architecture):
+        model = _load_with_qlens_reader(path, reader, architecture, dtype)
+    else:
+        model = _load_with_transformers(path, dtype)
+    if device is not None:
+        model.to(device)
+    return model.eval()
+
+
+# Architectures with a tensor processor that qlens applies to packed rows itself (Llama's q/k
+# row permutation); architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
+_OWN_READER_ARCHS = ("llama",)
+
+
+def _field(reader: Any, key: str) -> str:
+    field = reader.fields[key]
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _load_with_transformers(path: Path, dtype: torch.dtype) -> nn.Module:
+    """transformers' loader with qlens' kernel lent (packed where transformers keeps blocks)."""
+    from transformers import AutoModelForCausalLM
+
+    with _lent_kernel():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=dtype,
+            attn_implementation="sdpa",  # else transformers fetches a ggml attention kernel
+            local_files_only=True,
+        )
+    swapped = to_qlens_modules(model)
+    if not swapped:
+        logger.warning(
+            "transformers dequantized %s while loading it (it keeps GGUF blocks packed only for "
+            "some architectures); the model holds float weights",
+            path.name,
+        )
+    return model
+
+
+def _load_with_qlens_reader(
+    path: Path, reader: Any, architecture: str, dtype: torch.dtype
+) -> nn.Module:
+    """Build the model on meta and fill it from the file: linears as GGUF payloads."""
+    import numpy as np
+    from accelerate import init_empty_weights
+    from gguf import dequantize as gguf_dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    from qlens.load_checks import key_list
+    from qlens.quant.adopt.higgs_gguf import gguf_payload
+    from qlens.quant.codecs.gguf import GGML_TYPES
+    from qlens.quant.modules import QuantLinear
+    from qlens.quantize_on_load import put_tensor
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    expected = set(model.state_dict())
+    loaded: set[str] = set()
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            continue
+        key = names[tensor.name]
+        owner_name, _, leaf = key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        type_id = int(tensor.tensor_type)
+        if type_id in GGML_TYPES and type(owner) is nn.Linear and leaf == "weight":
+            rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
+            rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
+            payload = gguf_payload(torch.from_numpy(np.array(rows, copy=True)), type_id)
+            bias: Tensor | None = owner.bias
+            if bias is not None and bias.is_meta:  # its tensor comes later and replaces this
+                bias = torch.zeros(bias.shape, dtype=dtype)
+            model.set_submodule(owner_name, QuantLinear(payload, bias))
+        else:
+            values = gguf_dequantize(tensor.data, tensor.tensor_type)
+            values = processor.process(weights=values, name=tensor.name).weights
+            value = torch.from_numpy(np.copy(values)).to(dtype)
+            put_tensor(model, key, value)
+        loaded.add(key)
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if target not in loaded and source in loaded:
+            put_tensor(model, target, model.get_parameter(source))
+            loaded.add(target)
+    left = sorted(expected - loaded)
+    if left:
+        raise ValueError(
+            f"{path.name} lacks tensors for {key_list(left)}; qlens does not fill weights with "
+            "random values."
+        )
+    return model
+
+
+def to_qlens_modules(model: nn.Module) -> int:
+    """Swap transformers' GgufLinear / GgufExperts for qlens modules; return how many."""
+    from qlens.quant.adopt.higgs_gguf import adopt_gguf, adopt_gguf_experts
+    from qlens.quant.modules import ExpertGate, QuantExperts, QuantLinear
+
+    act = getattr(getattr(model, "config", None), "hidden_act", None)
+    count = 0
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if kind == "GgufLinear":
+            bias = getattr(module, "bias", None)
+            new: nn.Module = QuantLinear(adopt_gguf(module), bias)
+        elif kind == "GgufExperts":
+            if act is None:
+                raise ValueError(
+                    f"{name}: the model's config names no hidden_act, so qlens cannot run its "
+                    "GGUF experts; load the file with transformers instead"
+                )
+            payloads = adopt_gguf_experts(module)
+            new = QuantExperts(
+                payloads["gate_up_proj"], payloads["down_proj"], ExpertGate("stacked", str(act))
+            )
+        else:
+            continue
+        model.set_submodule(name, new)
+        count += 1
+    return count
