@@ -106,21 +106,24 @@ class Bridge:
             self._sites.append(taps.OutputSite(self.pos_embed, "hook_pos_embed"))
         for rl in self._layers:
             self._sites += build_layer_sites(rl, a, self.cfg, self._store, model)
-        self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms))
+        self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms, a.norm_weight_offset))
         self.hook_names: list[str] = model_hook_names(
             [rl.layout for rl in self._layers], self.pos_embed is not None
         )
         self.hook_dict: dict[str, HookPoint] = {n: HookPoint(n) for n in self.hook_names}
+        slot_names = [
+            attention.slot_hook_names(f"blocks.{rl.index}.attn.", rl.layout.rotary)
+            for rl in self._layers
+        ]
         self._taps = [
             attention.AttentionTap(
                 fast_fn=None,  # set on activation, from the implementation in use then
-                points={
-                    short: self.hook_dict[f"blocks.{rl.index}.attn.{short}"]
-                    for short in attention.INTERNAL_HOOKS
-                },
+                points={slot: self.hook_dict[name] for slot, name in names.items()},
             )
-            for rl in self._layers
+            for names in slot_names
         ]
+        # names fired inside qlens attention: activating one switches the implementation
+        self._attention_fn_names = {name for names in slot_names for name in names.values()}
         self._running = False
 
     def _repr_html_(self) -> str:
@@ -214,7 +217,7 @@ class Bridge:
         handles: list[RemovableHandle] = []
         configs = self._attention_configs()
         saved = {id(c): c._attn_implementation for c in configs.values()}
-        switch = any(n.rsplit(".", 1)[-1] in attention.INTERNAL_HOOKS for n in active)
+        switch = not active.isdisjoint(self._attention_fn_names)
         for name in active:
             self.hook_dict[name].n_fired = 0
         self._running = True
@@ -252,13 +255,16 @@ class Bridge:
             configs[id(config)] = config
         return configs
 
-    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
+    def _fires_before(self, name: str, stop_at_layer: int | None) -> bool:
+        """Whether ``name`` fires in a forward stopped before layer ``stop_at_layer``."""
         if stop_at_layer is None:
-            return
+            return True
+        layer = layer_of(name)
+        return layer < stop_at_layer if layer is not None else not name.startswith("ln_final.")
+
+    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
         for name in sorted(active):
-            layer = layer_of(name)
-            beyond = layer >= stop_at_layer if layer is not None else name.startswith("ln_final.")
-            if beyond:
+            if not self._fires_before(name, stop_at_layer):
                 raise ValueError(
                     f"hook {name!r} cannot fire with stop_at_layer={stop_at_layer}: the forward "
                     f"stops before it. Remove the hook or raise stop_at_layer."
@@ -448,6 +454,9 @@ class Bridge:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result``."""
         names = resolve_names(names_filter, self.hook_names)
+        if names_filter is None and stop_at_layer is not None:  # every name that can fire
+            stop = stop_at_layer + self.cfg.n_layers if stop_at_layer < 0 else stop_at_layer
+            names = [n for n in names if self._fires_before(n, stop)]
         store: dict[str, Tensor] = {}
 
         def save(x: Tensor, hook: HookPoint) -> None:

@@ -147,7 +147,7 @@ def test_resid_mid_edit_replaces_the_residual() -> None:
                 TOKENS, names_filter=lambda n: n.startswith("blocks.0")
             )
     assert torch.allclose(cache["blocks.0.hook_resid_mid"], torch.ones(1))
-    expected = 1 + cache["blocks.0.ln2_post.hook_normalized"]
+    expected = 1 + cache["blocks.0.ln2_post.hook_out"]
     assert (cache["blocks.0.hook_resid_post"] - expected).abs().max() <= TOL
 
 
