@@ -9,18 +9,22 @@ Hook-name conventions (see ``qlens.bridge.names``):
 
 * ``blocks.{i}.hook_attn_out`` / ``hook_mlp_out`` are the outputs of the attention / MLP
   modules. In sandwich-norm families (Gemma 2/3) the residual receives the post-norms'
-  outputs, hooked as ``blocks.{i}.ln1_post.hook_normalized`` / ``ln2_post.hook_normalized``.
+  outputs, hooked as ``blocks.{i}.ln1_post.hook_out`` / ``ln2_post.hook_out``.
 * ``hook_resid_mid`` exists only for sequential attention/MLP (not GPT-NeoX's parallel
   blocks); editing it replaces the attention branch by ``new - resid_pre``.
 * ``hook_resid_post`` of the last layer is before the final norm.
 * ``hook_embed`` is the token-embedding module's output (Gemma: already scaled by
   sqrt(d_model)); ``hook_pos_embed`` exists only for learned positions (GPT-2, OPT).
 * ``ln*.hook_scale`` is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm)
-  ``[batch pos 1]``; ``ln*.hook_normalized`` is the norm module's output (weight applied).
+  ``[batch pos 1]``; ``ln*.hook_normalized`` is the (centered) input divided by it, before the
+  weight; ``ln*.hook_out`` is the norm module's output (as TransformerLens).
+* ``attn.hook_q``/``hook_k``/``hook_v`` are the projections' outputs; on rotary models q/k are
+  before rotary (and before q/k norms) and ``hook_rot_q``/``hook_rot_k`` hold them rotated.
 * ``attn.hook_pattern`` excludes the probability mass of attention sinks (GPT-OSS): rows sum
   to ``1 - p_sink`` and ``hook_z = pattern @ v``. Masked scores hold the dtype's minimum.
-* With a KV cache (``generate``), ``attn.hook_k``/``hook_v`` show every key/value attention
-  reads (cached ones included); edits to them affect the current step only.
+* With a KV cache (``generate``), ``attn.hook_v`` and the key hook attention reads
+  (``hook_rot_k`` on rotary models, ``hook_k`` otherwise) show every cached position too; edits
+  to them affect the current step only.
 * ``attn.hook_result`` is opt-in (``names_filter=None`` skips it): it reads the output
   projection's weight, which must be readable (not quantized).
 * Hooks fire during bridge calls only; calling the HF model directly runs it unhooked.
