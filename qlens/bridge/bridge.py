@@ -33,6 +33,7 @@ Hook-name conventions (see ``qlens.bridge.names``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
@@ -54,7 +55,13 @@ from qlens.bridge.names import (
     resolve_names,
     unknown_name_error,
 )
-from qlens.bridge.tokens import PaddingSide, positions_from_mask, require_tokenizer, tokenize
+from qlens.bridge.tokens import (
+    PaddingSide,
+    default_padding_side,
+    positions_from_mask,
+    require_tokenizer,
+    tokenize,
+)
 from qlens.hooks import HookFn, HookHandle, HookPoint
 
 Input = str | list[str] | Tensor
@@ -104,6 +111,9 @@ class Bridge:
         self.unembed = require_module(model, a.unembed, "unembedding")
         eps = taps.norm_eps(self.ln_final)
         self.cfg: BridgeConfig = build_config(model.config, a, len(self._layers), eps)
+        if tokenizer is not None:
+            side = default_padding_side(tokenizer)
+            self.cfg = dataclasses.replace(self.cfg, default_padding_side=side)
         self._store: dict[str, Tensor] = {}
         self._sites: list[taps.Site] = [taps.OutputSite(self.embed, "hook_embed")]
         if self.pos_embed is not None:
@@ -287,24 +297,51 @@ class Bridge:
         return target.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
 
     # -- tokens ------------------------------------------------------------------------------
+    def _tokenize(
+        self,
+        texts: list[str],
+        prepend_bos: bool | None,
+        padding_side: PaddingSide | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Ids and mask; ``None`` takes ``cfg.default_prepend_bos`` / ``default_padding_side``."""
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        side = self.cfg.default_padding_side if padding_side is None else padding_side
+        return tokenize(require_tokenizer(self.tokenizer), texts, bos, side)
+
     def to_tokens(
         self,
         input: str | list[str],
         prepend_bos: bool | None = None,
-        padding_side: PaddingSide = "right",
+        padding_side: PaddingSide | None = None,
     ) -> Int[Tensor, "batch pos"]:
-        """Token ids ``[batch pos]``; ``prepend_bos=None`` keeps the tokenizer's default."""
+        """Token ids ``[batch pos]``, as TransformerLens makes them: one BOS first when
+        ``prepend_bos`` (default ``cfg.default_prepend_bos``), padded on ``padding_side``
+        (default ``cfg.default_padding_side``)."""
         texts = [input] if isinstance(input, str) else list(input)
-        tokens, _ = tokenize(require_tokenizer(self.tokenizer), texts, prepend_bos, padding_side)
-        return tokens
+        return self._tokenize(texts, prepend_bos, padding_side)[0]
 
-    def to_str_tokens(self, input: str | Tensor, prepend_bos: bool | None = None) -> list[str]:
-        """Each token of a string (or of a 1-D / batch-1 token tensor) as a string."""
+    def to_str_tokens(
+        self,
+        input: str | list[str] | Tensor,
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
+    ) -> list[str] | list[list[str]]:
+        """Each token as a string: of a string or a 1-D / batch-1 token tensor (a list), or of
+        each string of a list or each row of a batch (a list of lists). Tensors are decoded as
+        given (``prepend_bos`` applies to strings only)."""
         tokenizer = require_tokenizer(self.tokenizer)
-        tokens = self.to_tokens(input, prepend_bos) if isinstance(input, str) else input
-        tokens = tokens.reshape(-1) if tokens.ndim == 2 and tokens.shape[0] == 1 else tokens
+        if isinstance(input, list):
+            return [cast(list[str], self.to_str_tokens(text, prepend_bos)) for text in input]
+        if isinstance(input, str):
+            tokens = self.to_tokens(input, prepend_bos, padding_side)[0]
+        else:
+            tokens = input.reshape(-1) if input.ndim == 2 and input.shape[0] == 1 else input
+        if tokens.ndim == 2:
+            return [[tokenizer.decode([int(t)]) for t in row] for row in tokens]
         if tokens.ndim != 1:
-            raise ValueError(f"to_str_tokens takes one sequence, got shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"to_str_tokens takes a sequence or a batch, got shape {tuple(tokens.shape)}"
+            )
         return [tokenizer.decode([int(t)]) for t in tokens]
 
     def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
@@ -333,12 +370,13 @@ class Bridge:
         self,
         input: Input,
         attention_mask: Tensor | None,
-        padding_side: PaddingSide = "right",
+        padding_side: PaddingSide | None = None,
+        prepend_bos: bool | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         if isinstance(input, str):
             input = [input]
         if isinstance(input, list):
-            tokens, mask = tokenize(require_tokenizer(self.tokenizer), input, None, padding_side)
+            tokens, mask = self._tokenize(input, prepend_bos, padding_side)
             if attention_mask is not None:
                 raise ValueError("attention_mask is built from strings; pass it only with tokens")
             attention_mask = mask if bool((mask == 0).any()) else None
@@ -405,16 +443,19 @@ class Bridge:
         return_type: Literal["logits", "loss", "both"] | None = "logits",
         attention_mask: Tensor | None = None,
         stop_at_layer: int | None = None,
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> Any:
         """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
 
         With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
+        Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(
                 f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
             )
-        tokens, mask = self._prepare(input, attention_mask)
+        tokens, mask = self._prepare(input, attention_mask, padding_side, prepend_bos)
         out = self._run(tokens, mask, stop_at_layer)
         if stop_at_layer is not None or return_type == "logits":
             return out
@@ -454,6 +495,8 @@ class Bridge:
         attention_mask: Tensor | None = None,
         return_cache_object: bool = True,
         return_type: Literal["logits", "loss", "both"] | None = "logits",
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result``."""
@@ -468,7 +511,9 @@ class Bridge:
 
         handles = [self.hook_dict[n].add_hook(save) for n in names]
         try:
-            out = self.forward(input, return_type, attention_mask, stop_at_layer)
+            out = self.forward(
+                input, return_type, attention_mask, stop_at_layer, prepend_bos, padding_side
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -486,14 +531,19 @@ class Bridge:
         max_new_tokens: int = 10,
         do_sample: bool = False,
         return_type: Literal["input", "tokens", "str"] = "input",
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide = "left",
         **generate_kwargs: Any,
     ) -> Any:
         """Generate with the active hooks firing at every step (they see the new tokens).
 
-        Batched strings are left-padded. Returns the same kind as the input (``"input"``),
-        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``).
+        Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``; batched
+        strings are left-padded by default. Returns the same kind as the input (``"input"``),
+        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``); strings are decoded
+        without special tokens, so a prepended BOS does not appear in them.
         """
-        tokens, mask = self._prepare(input, generate_kwargs.pop("attention_mask", None), "left")
+        mask_arg = generate_kwargs.pop("attention_mask", None)
+        tokens, mask = self._prepare(input, mask_arg, padding_side, prepend_bos)
         if mask is None:
             mask = torch.ones_like(tokens)
         pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
@@ -512,9 +562,23 @@ class Bridge:
             )
         self._check_fired()
         if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
-            strings = self.to_string(out)
+            from_strings = isinstance(input, (str, list))
+            bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            strings = self._decode_generated(out, mask if from_strings and bos else None)
             return strings[0] if isinstance(input, str) else strings
         return out
+
+    def _decode_generated(self, out: Tensor, bos_mask: Tensor | None) -> list[str]:
+        """Each row as a string; with ``bos_mask`` (the prompt's mask), the BOS the strings were
+        given (each row's first real token) is left out."""
+        tokenizer = require_tokenizer(self.tokenizer)
+        if bos_mask is None:
+            return [tokenizer.decode(row.tolist()) for row in out]
+        first_real = bos_mask.argmax(-1).tolist()  # index of the first 1
+        return [
+            tokenizer.decode(row[:start].tolist() + row[start + 1 :].tolist())
+            for row, start in zip(out, first_real, strict=True)
+        ]
 
 
 def _require_batch_one(store: dict[str, Tensor]) -> dict[str, Tensor]:
