@@ -166,3 +166,48 @@ def test_fused_qkv_hook_q_edit_reaches_the_output() -> None:
             clean = bridge(tokens)
         assert (pre_edit - rot_edit).abs().max() <= TOL, arch
         assert (v_edit - clean).abs().max() > 1e-4, arch  # v's slice is untouched by the site
+
+
+@pytest.mark.parametrize("arch", ORACLE_ARCHS)  # llama takes a BOS by default, qwen3 does not
+def test_strings_tokenize_as_in_transformer_lens(arch: str, word_tokenizer) -> None:
+    bridge, tl = pair(arch, word_tokenizer)
+    assert bridge.cfg.default_prepend_bos == tl.cfg.default_prepend_bos
+    texts = ["the cat sat on the mat", "a dog"]
+    for prepend_bos in (None, True, False):
+        for side in ("left", "right"):
+            ours = bridge.to_tokens(texts, prepend_bos=prepend_bos, padding_side=side)
+            theirs = tl.to_tokens(texts, prepend_bos=prepend_bos, padding_side=side)
+            assert torch.equal(ours, theirs), (prepend_bos, side)
+        ours_str = bridge.to_str_tokens("a dog", prepend_bos=prepend_bos)
+        assert ours_str == tl.to_str_tokens("a dog", prepend_bos=prepend_bos)
+    with torch.no_grad():
+        ours_logits = bridge("the cat sat")
+        tl_logits = tl("the cat sat")
+    assert ours_logits.shape == tl_logits.shape
+    assert (ours_logits - tl_logits).abs().max() <= TOL
+
+
+def test_a_tokenizer_that_adds_its_own_bos_gets_exactly_one(word_tokenizer) -> None:
+    """A tokenizer that prepends BOS itself: no second BOS, and prepend_bos=False removes it."""
+    from tokenizers import processors
+
+    tokenizer = copy.deepcopy(word_tokenizer)
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 1)]
+    )
+    assert tokenizer("the cat")["input_ids"] == [1, 4, 5]
+    bridge = Bridge(tiny_model("llama"), tokenizer)
+    assert bridge.to_tokens("the cat").tolist() == [[1, 4, 5]]
+    assert bridge.to_tokens("the cat", prepend_bos=False).tolist() == [[4, 5]]
+    qwen = Bridge(tiny_model("qwen3"), tokenizer)  # its default: no BOS
+    assert qwen.to_tokens("the cat").tolist() == [[4, 5]]
+
+
+def test_generate_returns_strings_without_the_prepended_bos(word_tokenizer) -> None:
+    bridge = Bridge(tiny_model("llama"), word_tokenizer)
+    tokens = bridge.generate("the cat", max_new_tokens=2, return_type="tokens")
+    assert tokens[0, :3].tolist() == [1, 4, 5]
+    text = bridge.generate("the cat", max_new_tokens=2)
+    assert text == bridge.to_string(tokens[0, 1:])
+    plain = bridge.generate("the cat", max_new_tokens=2, prepend_bos=False, return_type="tokens")
+    assert plain[0, :2].tolist() == [4, 5]
