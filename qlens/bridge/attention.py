@@ -7,9 +7,9 @@ fires the q/k/v hooks ``[batch pos head d_head]`` on its inputs (k and v with th
 of KV heads; with a KV cache they hold every position attention reads) and ``hook_z``
 ``[batch pos head d_head]`` on its output. The q/k inputs are rotated on rotary families, so
 there they fire ``hook_rot_q``/``hook_rot_k`` (``hook_q``/``hook_k`` fire on the projections,
-see ``qlens.bridge.projection_taps``); elsewhere ``hook_q``/``hook_k``. Only ``hook_attn_scores`` and ``hook_pattern``
-``[batch head q_pos k_pos]`` (or soft-capping / sinks, which SDPA cannot apply) make it compute
-the scores explicitly.
+see ``qlens.bridge.projection_taps``); elsewhere ``hook_q``/``hook_k``. Only
+``hook_attn_scores`` and ``hook_pattern`` ``[batch head q_pos k_pos]`` (or soft-capping / sinks,
+which SDPA cannot apply) make it compute the scores explicitly.
 
 Conventions: scores are scaled (and soft-capped where the family does so) with HF's additive
 mask applied, so masked entries hold the dtype's minimum. With attention sinks (GPT-OSS),

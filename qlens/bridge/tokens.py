@@ -37,10 +37,12 @@ def bos_token_id(tokenizer: Any) -> int:
     )
 
 
-def _token_ids(tokenizer: Any, text: str, prepend_bos: bool, prepends: bool) -> list[int]:
+def _token_ids(tokenizer: Any, text: str, prepend_bos: bool | None, prepends: bool) -> list[int]:
     if not isinstance(text, str):
         raise TypeError(f"expected strings to tokenize, got {type(text).__name__}")
     ids = list(tokenizer(text)["input_ids"])
+    if prepend_bos is None:
+        return ids
     if prepend_bos and not prepends:
         return [bos_token_id(tokenizer), *ids]
     if not prepend_bos and prepends:
@@ -51,13 +53,14 @@ def _token_ids(tokenizer: Any, text: str, prepend_bos: bool, prepends: bool) -> 
 def tokenize(
     tokenizer: Any,
     texts: list[str],
-    prepend_bos: bool,
+    prepend_bos: bool | None,
     padding_side: PaddingSide,
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
     """Token ids and attention mask (1 = real token) for a batch of strings.
 
     As TransformerLens: each string gets exactly one BOS at its start when ``prepend_bos``
-    (whether or not the tokenizer adds one itself) and none otherwise.
+    (whether or not the tokenizer adds one itself) and none when False; ``None`` keeps what
+    the tokenizer makes.
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")

@@ -132,9 +132,7 @@ def test_logit_attrs_reproduce_logit_differences(arch):
     normalized = analysis.apply_ln_to_stack(bridge, cache, decomposition.values)
     ln_bias = getattr(bridge.ln_final, "bias", None)
     ln_bias = torch.zeros(bridge.cfg.d_model) if ln_bias is None else ln_bias.detach()
-    torch.testing.assert_close(
-        normalized.sum(0) + ln_bias, cache["ln_final.hook_out"], **TOL
-    )
+    torch.testing.assert_close(normalized.sum(0) + ln_bias, cache["ln_final.hook_out"], **TOL)
     with_bias = analysis.apply_ln_to_stack(bridge, cache, decomposition.values, bias_component=-1)
     torch.testing.assert_close(with_bias.sum(0), cache["ln_final.hook_out"], **TOL)
     torch.testing.assert_close(with_bias[:-1], normalized[:-1], atol=0, rtol=0)

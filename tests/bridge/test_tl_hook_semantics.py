@@ -156,7 +156,10 @@ def test_fused_qkv_hook_q_edit_reaches_the_output() -> None:
         with torch.no_grad():
             _, cache = bridge.run_with_cache(tokens, names_filter=lambda n: "attn.hook_" in n)
             for short in ("q", "k"):
-                pre, rot = cache[f"blocks.0.attn.hook_{short}"], cache[f"blocks.0.attn.hook_rot_{short}"]
+                pre, rot = (
+                    cache[f"blocks.0.attn.hook_{short}"],
+                    cache[f"blocks.0.attn.hook_rot_{short}"],
+                )
                 assert (pre - rot).abs().max() <= TOL, (arch, short)
             pre_edit = bridge.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_k", _halve)])
             rot_edit = bridge.run_with_hooks(
