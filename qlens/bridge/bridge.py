@@ -55,6 +55,7 @@ from qlens.bridge.names import (
     resolve_names,
     unknown_name_error,
 )
+from qlens.bridge.switches import SWITCHED_SUFFIXES, HookSwitches
 from qlens.bridge.tokens import (
     PaddingSide,
     default_padding_side,
@@ -73,7 +74,7 @@ class _StopForward(Exception):  # noqa: N818
         self.residual = residual
 
 
-class Bridge:
+class Bridge(HookSwitches):
     """Hook points, caching and generation for a supported HF causal LM."""
 
     def __init__(
@@ -139,6 +140,7 @@ class Bridge:
         # names fired inside qlens attention: activating one switches the implementation
         self._attention_fn_names = {name for names in slot_names for name in names.values()}
         self._running = False
+        self._switch_state = dict.fromkeys(SWITCHED_SUFFIXES, False)
 
     def _repr_html_(self) -> str:
         from qlens.rich_repr import render_html
@@ -228,6 +230,7 @@ class Bridge:
             )
         active = {n for n, p in self.hook_dict.items() if p.is_active}
         self._check_fireable(active, stop_at_layer)
+        self._check_switches(active)
         handles: list[RemovableHandle] = []
         configs = self._attention_configs()
         saved = {id(c): c._attn_implementation for c in configs.values()}
@@ -501,6 +504,9 @@ class Bridge:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result``."""
         names = resolve_names(names_filter, self.hook_names)
+        if names_filter is None:
+            selected = set(names) | set(self._switched_on_names())
+            names = [n for n in self.hook_names if n in selected]
         if names_filter is None and stop_at_layer is not None:  # every name that can fire
             stop = stop_at_layer + self.cfg.n_layers if stop_at_layer < 0 else stop_at_layer
             names = [n for n in names if self._fires_before(n, stop)]

@@ -10,8 +10,9 @@ from torch import Tensor, nn
 from qlens.bridge import taps
 from qlens.bridge.adapters.base import Adapter
 from qlens.bridge.config import BridgeConfig, resolve_flag
-from qlens.bridge.names import LayerLayout
+from qlens.bridge.names import MLP_IN_NAME, SPLIT_INPUT_NAMES, LayerLayout
 from qlens.bridge.projection_taps import FusedQKSite, ProjectionHeadsSite
+from qlens.bridge.split_inputs import SplitInputSite
 from qlens.bridge.routing import route
 
 
@@ -66,6 +67,7 @@ def resolve_layers(model: nn.Module, adapter: Adapter) -> list[ResolvedLayer]:
             moe=moe,
             gated="mlp_gate" in modules or "mlp_gate_up" in modules,
             rotary=adapter.positional_embedding_type == "rotary",
+            separate_qkv=all(name in modules for name in ("q", "k", "v")),
         )
         resolved.append(ResolvedLayer(i, layer, modules, layout))
     return resolved
@@ -88,6 +90,7 @@ def build_layer_sites(
         taps.LayerInputSite(rl.layer, p + "hook_resid_pre", store),
         taps.NormSite(m["ln1"], p + "ln1", rms, offset),
         *_pre_rotary_sites(rl, adapter, cfg),
+        *_split_input_sites(rl, cfg, store),
         taps.ResultSite(m["o"], p + "attn.hook_result", cfg.n_heads, owner),
         taps.OutputSite(m["attn"], p + "hook_attn_out"),
     ]
@@ -99,6 +102,7 @@ def build_layer_sites(
         sites.append(
             taps.ResidMidSite(mid_branch, p + "hook_resid_mid", store, p + "hook_resid_pre")
         )
+    sites.append(taps.InputSite(m["ln2"], p + MLP_IN_NAME))
     sites.append(taps.NormSite(m["ln2"], p + "ln2", rms, offset))
     if rl.layout.moe:
         if adapter.router_scheme is None:
@@ -138,6 +142,8 @@ def build_layer_sites(
     # the [batch pos] shape to sites that see [batch*pos ...] tensors.
     if not rl.layout.parallel:
         sites[0].also_needed_by = (p + "hook_resid_mid",)
+    if rl.layout.separate_qkv:
+        sites[0].also_needed_by += tuple(p + n for n in SPLIT_INPUT_NAMES)
     if adapter.flattens_tokens:
         sites[0].also_needed_by = tuple(n for site in sites for n in site.names)
 
@@ -166,6 +172,28 @@ def _pre_rotary_sites(rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig) ->
         )
     layout = adapter.qkv_layout
     return [FusedQKSite(m["qkv"], q, k, layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)]
+
+
+def _split_input_sites(
+    rl: ResolvedLayer, cfg: BridgeConfig, store: dict[str, Tensor]
+) -> list[taps.Site]:
+    """The per-head q/k/v input hooks, on layers with separate q/k/v projections."""
+    if not rl.layout.separate_qkv:
+        return []
+    m, p = rl.modules, f"blocks.{rl.index}."
+    q_in, k_in, v_in, attn_in = (p + n for n in SPLIT_INPUT_NAMES)
+    return [
+        SplitInputSite(
+            (m["q"], m["k"], m["v"]),
+            m["ln1"],
+            (q_in, k_in, v_in, attn_in),
+            p + "hook_resid_pre",
+            store,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.d_head,
+        )
+    ]
 
 
 def _config_of(rl: ResolvedLayer) -> object:

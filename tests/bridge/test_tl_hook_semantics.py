@@ -214,3 +214,86 @@ def test_generate_returns_strings_without_the_prepended_bos(word_tokenizer) -> N
     assert text == bridge.to_string(tokens[0, 1:])
     plain = bridge.generate("the cat", max_new_tokens=2, prepend_bos=False, return_type="tokens")
     assert plain[0, :2].tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("arch", ORACLE_ARCHS)
+@pytest.mark.parametrize(
+    ("switch", "names", "edited"),
+    [
+        (
+            "set_use_split_qkv_input",
+            ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input"),
+            "blocks.0.attn.hook_q_input",
+        ),
+        ("set_use_attn_in", ("hook_attn_in",), "blocks.1.hook_attn_in"),
+        ("set_use_hook_mlp_in", ("hook_mlp_in",), "blocks.0.hook_mlp_in"),
+    ],
+)
+def test_split_input_hooks_equal_transformer_lens(
+    arch: str, switch: str, names: tuple[str, ...], edited: str, word_tokenizer
+) -> None:
+    bridge, tl = pair(arch, word_tokenizer)
+    tokens = _tokens()
+    full = [f"blocks.{i}.{n}" for i in range(bridge.cfg.n_layers) for n in names]
+    with pytest.raises(ValueError, match=rf"fires only with bridge\.{switch}\(True\)"):
+        bridge.run_with_cache(tokens, names_filter=full)
+    getattr(bridge, switch)(True)
+    getattr(tl, switch)(True)
+    try:
+        with torch.no_grad():
+            ours_logits, ours = bridge.run_with_cache(tokens)  # switched names are cached
+            _, theirs = tl.run_with_cache(tokens, names_filter=full)
+            patched = bridge.run_with_hooks(tokens, fwd_hooks=[(edited, _zero_head(1))])
+            tl_patched = tl.run_with_hooks(tokens, fwd_hooks=[(edited, _zero_head(1))])
+            clean = bridge(tokens)
+    finally:
+        getattr(bridge, switch)(False)
+        getattr(tl, switch)(False)
+    assert (ours_logits - clean).abs().max() <= TOL
+    for name in full:
+        assert ours[name].shape == theirs[name].shape, name
+        assert (ours[name] - theirs[name]).abs().max() <= TOL, name
+    assert (patched - clean).abs().max() > 1e-3
+    assert (patched - tl_patched).abs().max() <= TOL
+
+
+def test_split_inputs_run_through_quantized_projections() -> None:
+    """The projection modules run per head, so int8 q/k/v projections serve the split path
+    without reading a weight: unedited it gives the plain forward's logits, and an edit of one
+    head's copy changes them."""
+    import qlens
+
+    float_bridge = Bridge(tiny_model("llama"))
+    bridge = qlens.quantize(float_bridge, "int8", skip=["lm_head", "*embed*", "*.mlp.*"])
+    assert type(bridge.model.model.layers[0].self_attn.q_proj).__name__ == "QuantLinear"
+    bridge.set_use_split_qkv_input(True)
+    tokens = _tokens()
+    with torch.no_grad():
+        plain = bridge(tokens)
+        _, cache = bridge.run_with_cache(tokens, names_filter="blocks.0.attn.hook_v_input")
+        split = bridge.run_with_hooks(
+            tokens, fwd_hooks=[("blocks.0.attn.hook_q_input", lambda x, hook: None)]
+        )
+        edited = bridge.run_with_hooks(
+            tokens, fwd_hooks=[("blocks.0.attn.hook_k_input", _zero_head(0))]
+        )
+    resid = cache["blocks.0.attn.hook_v_input"]
+    assert resid.shape == (2, 7, bridge.cfg.n_kv_heads, bridge.cfg.d_model)
+    assert torch.equal(resid[:, :, 0], resid[:, :, 1])  # copies of one residual
+    assert (split - plain).abs().max() <= 1e-4
+    assert (edited - plain).abs().max() > 1e-3
+
+
+def test_switches_are_checked() -> None:
+    bridge = Bridge(tiny_model("llama"))
+    bridge.set_use_split_qkv_input(True)
+    with pytest.raises(ValueError, match="cannot both be on"):
+        bridge.set_use_attn_in(True)
+    with pytest.raises(ValueError, match="need separate q/k/v projections"):
+        Bridge(tiny_model("phi3")).set_use_split_qkv_input(True)
+    _, cache = bridge.run_with_cache(_tokens())
+    assert "blocks.1.attn.hook_q_input" in cache and "blocks.1.hook_attn_in" not in cache
+    assert "blocks.0.attn.hook_result" not in cache
+    bridge.set_use_attn_result(True)
+    _, cache = bridge.run_with_cache(_tokens())
+    assert "blocks.0.attn.hook_result" in cache
