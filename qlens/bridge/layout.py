@@ -12,8 +12,8 @@ from qlens.bridge.adapters.base import Adapter
 from qlens.bridge.config import BridgeConfig, resolve_flag
 from qlens.bridge.names import MLP_IN_NAME, SPLIT_INPUT_NAMES, LayerLayout
 from qlens.bridge.projection_taps import FusedQKSite, ProjectionHeadsSite
-from qlens.bridge.split_inputs import SplitInputSite
 from qlens.bridge.routing import route
+from qlens.bridge.split_inputs import SplitInputSite
 
 
 def get_module(root: nn.Module, path: str | None) -> nn.Module | None:
