@@ -160,8 +160,8 @@ class Bridge(HookSwitches):
             if name_or_filter not in self.hook_dict:
                 raise unknown_name_error(name_or_filter, self.hook_names)
             return [name_or_filter]
-        if callable(name_or_filter):
-            names = [n for n in self.hook_names if name_or_filter(n)]
+        if callable(name_or_filter):  # switched-off names are left out, as they cannot fire
+            names = [n for n in self.hook_names if name_or_filter(n) and not self._switched_off(n)]
             if not names:
                 raise ValueError("hook filter matched no hook name; see bridge.hook_names")
             return names
@@ -504,6 +504,8 @@ class Bridge(HookSwitches):
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result``."""
         names = resolve_names(names_filter, self.hook_names)
+        if callable(names_filter):  # switched-off names are left out, as they cannot fire
+            names = [n for n in names if not self._switched_off(n)]
         if names_filter is None:
             selected = set(names) | set(self._switched_on_names())
             names = [n for n in self.hook_names if n in selected]

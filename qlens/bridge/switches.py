@@ -66,13 +66,22 @@ class HookSwitches:
         )
         return [n for n in self.hook_names if suffixes and n.endswith(suffixes)]
 
+    def _switched_off(self, name: str) -> bool:
+        """Whether ``name`` needs a switch that is off (``attn.hook_result`` needs none)."""
+        return any(
+            name.endswith(suffixes) and not self._switch_state[key]
+            for key, suffixes in SWITCHED_SUFFIXES.items()
+            if key != "use_attn_result"
+        )
+
     def _check_switches(self, active: Iterable[str]) -> None:
         """Hooks on a switched name need its switch on, as in TransformerLens."""
-        switches = self._switch_state
         for name in sorted(active):
-            for key, suffixes in SWITCHED_SUFFIXES.items():
-                if key != "use_attn_result" and name.endswith(suffixes) and not switches[key]:
-                    raise ValueError(
-                        f"hook {name!r} fires only with bridge.set_{key}(True) (as in "
-                        "TransformerLens); turn it on first"
-                    )
+            if self._switched_off(name):
+                key = next(
+                    k for k, suffixes in SWITCHED_SUFFIXES.items() if name.endswith(suffixes)
+                )
+                raise ValueError(
+                    f"hook {name!r} fires only with bridge.set_{key}(True) (as in "
+                    "TransformerLens); turn it on first"
+                )

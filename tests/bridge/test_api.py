@@ -7,6 +7,7 @@ import torch
 from bridge_models import tiny_model
 
 from qlens.bridge import Bridge, attention
+from qlens.bridge.names import OPT_IN_SUFFIXES
 
 TOL = 1e-5
 TOKENS = torch.tensor([[5, 17, 301, 42, 9, 77], [8, 600, 3, 250, 11, 99]])
@@ -51,7 +52,10 @@ def test_names_filter_forms() -> None:
     _, cache = bridge.run_with_cache(TOKENS, names_filter=lambda n: n.endswith("hook_pattern"))
     assert list(cache.keys()) == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
     _, cache = bridge.run_with_cache(TOKENS)
-    assert set(cache.keys()) == {n for n in bridge.hook_names if not n.endswith("hook_result")}
+    assert set(cache.keys()) == {n for n in bridge.hook_names if not n.endswith(OPT_IN_SUFFIXES)}
+    assert "blocks.0.hook_mlp_in" in bridge.hook_names  # opt-in behind set_use_hook_mlp_in
+    _, cache = bridge.run_with_cache(TOKENS, names_filter=lambda n: n.startswith("blocks.0."))
+    assert "blocks.0.hook_mlp_in" not in cache and "blocks.0.attn.hook_result" in cache
 
 
 @pytest.mark.parametrize("name", ["blocks.0.hook_resid_mid", "blocks.1.attn.hook_q"])
