@@ -303,7 +303,9 @@ def test_stop_at_layer(arch: str) -> None:
     assert torch.equal(resid_0, cache["resid_pre", 0]) and "hook_embed" in partial
     _, fireable = bridge.run_with_cache(TOKENS, stop_at_layer=1)  # no filter: what fires
     assert set(fireable) == {
-        n for n in bridge.hook_names if n.startswith(("hook_", "blocks.0.")) and "result" not in n
+        n
+        for n in bridge.hook_names
+        if n.startswith(("hook_", "blocks.0.")) and not n.endswith(OPT_IN_SUFFIXES)
     }
     _, to_last = bridge.run_with_cache(TOKENS, stop_at_layer=-1)
     assert not any(n.startswith((f"blocks.{n_layers - 1}.", "ln_final")) for n in to_last)
