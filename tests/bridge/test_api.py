@@ -157,17 +157,21 @@ def test_resid_mid_edit_replaces_the_residual() -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_scale_edit_rescales_normalized(arch: str) -> None:
+    """Doubling the scale halves hook_normalized, and hook_out is it times weight plus bias."""
     bridge = Bridge(tiny_model(arch))
     ln = bridge.model.get_submodule(bridge.adapter.layers)[0].get_submodule(
         "ln_1" if arch == "gpt2" else "input_layernorm"
     )
+    names = ["blocks.0.ln1.hook_normalized", "blocks.0.ln1.hook_out"]
     with torch.no_grad():
-        _, clean = bridge.run_with_cache(TOKENS, names_filter="blocks.0.ln1.hook_normalized")
+        _, clean = bridge.run_with_cache(TOKENS, names_filter=names)
         with bridge.hooks(fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, hook: x * 2)]):
-            _, edited = bridge.run_with_cache(TOKENS, names_filter="blocks.0.ln1.hook_normalized")
+            _, edited = bridge.run_with_cache(TOKENS, names_filter=names)
+    normalized = edited["blocks.0.ln1.hook_normalized"]
+    assert (normalized - clean["blocks.0.ln1.hook_normalized"] / 2).abs().max() <= TOL
     bias = ln.bias.detach() if arch == "gpt2" else 0.0
-    expected = (clean["blocks.0.ln1.hook_normalized"] - bias) / 2 + bias
-    assert (edited["blocks.0.ln1.hook_normalized"] - expected).abs().max() <= TOL
+    expected_out = normalized * ln.weight.detach() + bias
+    assert (edited["blocks.0.ln1.hook_out"] - expected_out).abs().max() <= TOL
 
 
 def test_backward_hooks_receive_gradients() -> None:
