@@ -52,6 +52,16 @@ class HookPoint:
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"
 
+    def layer(self) -> int:
+        """The block index in the name (``blocks.3.attn.hook_q`` -> 3), as TransformerLens."""
+        parts = self.name.split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise ValueError(
+                f"hook point {self.name!r} belongs to no block; layer() needs a "
+                "'blocks.{i}.' name"
+            )
+        return int(parts[1])
+
     @property
     def is_active(self) -> bool:
         return bool(self.fwd_hooks or self.bwd_hooks)

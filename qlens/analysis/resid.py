@@ -31,7 +31,7 @@ def _layer_count(bridge: Any, layer: int | None) -> int:
 def _branch(cache: Any, layer: int, kind: str) -> Tensor:
     """What the residual receives from a layer's attention or MLP (after any sandwich norm)."""
     post = "ln1_post" if kind == "attn" else "ln2_post"
-    name = f"blocks.{layer}.{post}.hook_normalized"
+    name = f"blocks.{layer}.{post}.hook_out"
     return cache[name] if name in cache else cache[f"blocks.{layer}.hook_{kind}_out"]
 
 
@@ -229,9 +229,9 @@ def apply_ln_to_stack(
     Each component is centered (LayerNorm), divided by the cached ``hook_scale`` of the full
     residual and multiplied by the norm's weight (Gemma: ``1 + w``). The norm's bias belongs to
     no component: by default it is left out (as TransformerLens does), so the components sum to
-    ``hook_normalized`` minus the bias. Pass ``bias_component`` (e.g. ``-1`` for the ``bias``
+    ``hook_out`` minus the bias. Pass ``bias_component`` (e.g. ``-1`` for the ``bias``
     component of :func:`get_full_resid_decomposition`, which holds the decomposition's constant
-    terms the same way) to add it to that component; then the stack sums to ``hook_normalized``
+    terms the same way) to add it to that component; then the stack sums to ``hook_out``
     exactly. Folding the norms (``qlens.weights.process_weights``) removes the bias altogether.
     """
     norm, scale_name = _norm_for(bridge, layer, mlp_input)

@@ -3,11 +3,13 @@
 While a bridge has attention-internal hooks active, the model's ``config._attn_implementation``
 is switched to ``"qlens"``. For each attention module, the function calls the model's
 original attention function (SDPA for most families, HF eager where the family needs it) and
-fires ``hook_q/k/v`` ``[batch pos head d_head]`` on its inputs (k and v with the stored number
+fires the q/k/v hooks ``[batch pos head d_head]`` on its inputs (k and v with the stored number
 of KV heads; with a KV cache they hold every position attention reads) and ``hook_z``
-``[batch pos head d_head]`` on its output. Only ``hook_attn_scores`` and ``hook_pattern``
-``[batch head q_pos k_pos]`` (or soft-capping / sinks, which SDPA cannot apply) make it compute
-the scores explicitly.
+``[batch pos head d_head]`` on its output. The q/k inputs are rotated on rotary families, so
+there they fire ``hook_rot_q``/``hook_rot_k`` (``hook_q``/``hook_k`` fire on the projections,
+see ``qlens.bridge.projection_taps``); elsewhere ``hook_q``/``hook_k``. Only
+``hook_attn_scores`` and ``hook_pattern`` ``[batch head q_pos k_pos]`` (or soft-capping / sinks,
+which SDPA cannot apply) make it compute the scores explicitly.
 
 Conventions: scores are scaled (and soft-capped where the family does so) with HF's additive
 mask applied, so masked entries hold the dtype's minimum. With attention sinks (GPT-OSS),
@@ -32,7 +34,21 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from qlens.hooks import HookPoint
 
 IMPLEMENTATION = "qlens"
-INTERNAL_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+# The values attention sees, each fired by one hook of the layer (see ``slot_hook_names``).
+SLOTS = ("q", "k", "v", "scores", "pattern", "z")
+
+
+def slot_hook_names(prefix: str, rotary: bool) -> dict[str, str]:
+    """The hook name (``prefix`` = ``blocks.{i}.attn.``) fired for each slot."""
+    rot = "rot_" if rotary else ""
+    return {
+        "q": f"{prefix}hook_{rot}q",
+        "k": f"{prefix}hook_{rot}k",
+        "v": f"{prefix}hook_v",
+        "scores": f"{prefix}hook_attn_scores",
+        "pattern": f"{prefix}hook_pattern",
+        "z": f"{prefix}hook_z",
+    }
 
 
 @dataclass
@@ -40,7 +56,7 @@ class AttentionTap:
     """Per attention module: its original attention function and its internal hook points."""
 
     fast_fn: Callable[..., Any] | None  # set when a run starts
-    points: dict[str, HookPoint] = field(default_factory=dict)  # keyed by short name
+    points: dict[str, HookPoint] = field(default_factory=dict)  # keyed by slot
 
     @property
     def active(self) -> bool:
@@ -99,7 +115,7 @@ def _fire(tap: AttentionTap, name: str, x: Tensor) -> Tensor:
     return point(x) if point is not None and point.is_active else x
 
 
-EXPLICIT_HOOKS = ("hook_attn_scores", "hook_pattern")
+EXPLICIT_SLOTS = ("scores", "pattern")
 
 
 def _needs_eager(kwargs: dict[str, Any], fn: Callable[..., Any] | None) -> bool:
@@ -120,7 +136,7 @@ def qlens_attention_forward(
     """Attention with hook points; inputs are ``[batch head pos d_head]`` as HF passes them.
 
     Only ``hook_attn_scores``/``hook_pattern`` (or a family the fast function cannot serve)
-    need explicit scores; ``hook_q/k/v/z`` fire around the fast function otherwise.
+    need explicit scores; the q/k/v/z hooks fire around the fast function otherwise.
     """
     tap = _TAPS.get(id(module))
     if tap is None:
@@ -131,7 +147,7 @@ def qlens_attention_forward(
         )
     fast_fn = tap.fast_fn
     explicit = fast_fn is None or _needs_eager(kwargs, fast_fn)
-    explicit = explicit or any(tap.points[name].is_active for name in EXPLICIT_HOOKS)
+    explicit = explicit or any(tap.points[slot].is_active for slot in EXPLICIT_SLOTS)
     if not explicit and fast_fn is not None:
         if not tap.active:
             return fast_fn(
@@ -148,7 +164,7 @@ def qlens_attention_forward(
         z, weights = fast_fn(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-        return _fire(tap, "hook_z", z), weights
+        return _fire(tap, "z", z), weights
     return _explicit_attention(
         module, tap, query, key, value, attention_mask, scaling, dropout, kwargs
     )
@@ -157,10 +173,10 @@ def qlens_attention_forward(
 def _fire_qkv(
     tap: AttentionTap, query: Tensor, key: Tensor, value: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fire hook_q/k/v on ``[batch pos head d_head]`` views; return ``[batch head pos d_head]``."""
-    query = _fire(tap, "hook_q", query.transpose(1, 2)).transpose(1, 2)
-    key = _fire(tap, "hook_k", key.transpose(1, 2)).transpose(1, 2)
-    value = _fire(tap, "hook_v", value.transpose(1, 2)).transpose(1, 2)
+    """Fire the q/k/v slots on ``[batch pos head d_head]`` views; return ``[batch head pos d_head]``."""
+    query = _fire(tap, "q", query.transpose(1, 2)).transpose(1, 2)
+    key = _fire(tap, "k", key.transpose(1, 2)).transpose(1, 2)
+    value = _fire(tap, "v", value.transpose(1, 2)).transpose(1, 2)
     return query, key, value
 
 
@@ -194,7 +210,7 @@ def _explicit_attention(
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
     _mask_in_place(scores, attention_mask)
-    scores = _fire(tap, "hook_attn_scores", scores)
+    scores = _fire(tap, "scores", scores)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         pattern = _pattern_without_sinks(scores, sinks)
@@ -203,13 +219,13 @@ def _explicit_attention(
     pattern = pattern.to(value.dtype)
     if dropout and module.training:
         pattern = nn.functional.dropout(pattern, p=dropout, training=True)
-    pattern = _fire(tap, "hook_pattern", pattern)
+    pattern = _fire(tap, "pattern", pattern)
     z_rows = torch.bmm(
         pattern.reshape(batch * n_kv, group * q_len, k_len),
         value.reshape(batch * n_kv, k_len, d_head),
     )
     z = z_rows.view(batch, n_heads, q_len, d_head).transpose(1, 2).contiguous()
-    return _fire(tap, "hook_z", z), pattern
+    return _fire(tap, "z", z), pattern
 
 
 def _pattern_without_sinks(scores: Tensor, sinks: Tensor) -> Tensor:

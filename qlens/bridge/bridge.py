@@ -9,18 +9,22 @@ Hook-name conventions (see ``qlens.bridge.names``):
 
 * ``blocks.{i}.hook_attn_out`` / ``hook_mlp_out`` are the outputs of the attention / MLP
   modules. In sandwich-norm families (Gemma 2/3) the residual receives the post-norms'
-  outputs, hooked as ``blocks.{i}.ln1_post.hook_normalized`` / ``ln2_post.hook_normalized``.
+  outputs, hooked as ``blocks.{i}.ln1_post.hook_out`` / ``ln2_post.hook_out``.
 * ``hook_resid_mid`` exists only for sequential attention/MLP (not GPT-NeoX's parallel
   blocks); editing it replaces the attention branch by ``new - resid_pre``.
 * ``hook_resid_post`` of the last layer is before the final norm.
 * ``hook_embed`` is the token-embedding module's output (Gemma: already scaled by
   sqrt(d_model)); ``hook_pos_embed`` exists only for learned positions (GPT-2, OPT).
 * ``ln*.hook_scale`` is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm)
-  ``[batch pos 1]``; ``ln*.hook_normalized`` is the norm module's output (weight applied).
+  ``[batch pos 1]``; ``ln*.hook_normalized`` is the (centered) input divided by it, before the
+  weight; ``ln*.hook_out`` is the norm module's output (as TransformerLens).
+* ``attn.hook_q``/``hook_k``/``hook_v`` are the projections' outputs; on rotary models q/k are
+  before rotary (and before q/k norms) and ``hook_rot_q``/``hook_rot_k`` hold them rotated.
 * ``attn.hook_pattern`` excludes the probability mass of attention sinks (GPT-OSS): rows sum
   to ``1 - p_sink`` and ``hook_z = pattern @ v``. Masked scores hold the dtype's minimum.
-* With a KV cache (``generate``), ``attn.hook_k``/``hook_v`` show every key/value attention
-  reads (cached ones included); edits to them affect the current step only.
+* With a KV cache (``generate``), ``attn.hook_v`` and the key hook attention reads
+  (``hook_rot_k`` on rotary models, ``hook_k`` otherwise) show every cached position too; edits
+  to them affect the current step only.
 * ``attn.hook_result`` is opt-in (``names_filter=None`` skips it): it reads the output
   projection's weight, which must be readable (not quantized).
 * Hooks fire during bridge calls only; calling the HF model directly runs it unhooked.
@@ -29,6 +33,7 @@ Hook-name conventions (see ``qlens.bridge.names``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
@@ -50,7 +55,14 @@ from qlens.bridge.names import (
     resolve_names,
     unknown_name_error,
 )
-from qlens.bridge.tokens import PaddingSide, positions_from_mask, require_tokenizer, tokenize
+from qlens.bridge.switches import SWITCHED_SUFFIXES, HookSwitches
+from qlens.bridge.tokens import (
+    PaddingSide,
+    default_padding_side,
+    positions_from_mask,
+    require_tokenizer,
+    tokenize,
+)
 from qlens.hooks import HookFn, HookHandle, HookPoint
 
 Input = str | list[str] | Tensor
@@ -62,7 +74,7 @@ class _StopForward(Exception):  # noqa: N818
         self.residual = residual
 
 
-class Bridge:
+class Bridge(HookSwitches):
     """Hook points, caching and generation for a supported HF causal LM."""
 
     def __init__(
@@ -100,28 +112,35 @@ class Bridge:
         self.unembed = require_module(model, a.unembed, "unembedding")
         eps = taps.norm_eps(self.ln_final)
         self.cfg: BridgeConfig = build_config(model.config, a, len(self._layers), eps)
+        if tokenizer is not None:
+            side = default_padding_side(tokenizer)
+            self.cfg = dataclasses.replace(self.cfg, default_padding_side=side)
         self._store: dict[str, Tensor] = {}
         self._sites: list[taps.Site] = [taps.OutputSite(self.embed, "hook_embed")]
         if self.pos_embed is not None:
             self._sites.append(taps.OutputSite(self.pos_embed, "hook_pos_embed"))
         for rl in self._layers:
             self._sites += build_layer_sites(rl, a, self.cfg, self._store, model)
-        self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms))
+        self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms, a.norm_weight_offset))
         self.hook_names: list[str] = model_hook_names(
             [rl.layout for rl in self._layers], self.pos_embed is not None
         )
         self.hook_dict: dict[str, HookPoint] = {n: HookPoint(n) for n in self.hook_names}
+        slot_names = [
+            attention.slot_hook_names(f"blocks.{rl.index}.attn.", rl.layout.rotary)
+            for rl in self._layers
+        ]
         self._taps = [
             attention.AttentionTap(
                 fast_fn=None,  # set on activation, from the implementation in use then
-                points={
-                    short: self.hook_dict[f"blocks.{rl.index}.attn.{short}"]
-                    for short in attention.INTERNAL_HOOKS
-                },
+                points={slot: self.hook_dict[name] for slot, name in names.items()},
             )
-            for rl in self._layers
+            for names in slot_names
         ]
+        # names fired inside qlens attention: activating one switches the implementation
+        self._attention_fn_names = {name for names in slot_names for name in names.values()}
         self._running = False
+        self._switch_state = dict.fromkeys(SWITCHED_SUFFIXES, False)
 
     def _repr_html_(self) -> str:
         from qlens.rich_repr import render_html
@@ -141,8 +160,8 @@ class Bridge:
             if name_or_filter not in self.hook_dict:
                 raise unknown_name_error(name_or_filter, self.hook_names)
             return [name_or_filter]
-        if callable(name_or_filter):
-            names = [n for n in self.hook_names if name_or_filter(n)]
+        if callable(name_or_filter):  # switched-off names are left out, as they cannot fire
+            names = [n for n in self.hook_names if name_or_filter(n) and not self._switched_off(n)]
             if not names:
                 raise ValueError("hook filter matched no hook name; see bridge.hook_names")
             return names
@@ -211,10 +230,11 @@ class Bridge:
             )
         active = {n for n, p in self.hook_dict.items() if p.is_active}
         self._check_fireable(active, stop_at_layer)
+        self._check_switches(active)
         handles: list[RemovableHandle] = []
         configs = self._attention_configs()
         saved = {id(c): c._attn_implementation for c in configs.values()}
-        switch = any(n.rsplit(".", 1)[-1] in attention.INTERNAL_HOOKS for n in active)
+        switch = not active.isdisjoint(self._attention_fn_names)
         for name in active:
             self.hook_dict[name].n_fired = 0
         self._running = True
@@ -252,13 +272,16 @@ class Bridge:
             configs[id(config)] = config
         return configs
 
-    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
+    def _fires_before(self, name: str, stop_at_layer: int | None) -> bool:
+        """Whether ``name`` fires in a forward stopped before layer ``stop_at_layer``."""
         if stop_at_layer is None:
-            return
+            return True
+        layer = layer_of(name)
+        return layer < stop_at_layer if layer is not None else not name.startswith("ln_final.")
+
+    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
         for name in sorted(active):
-            layer = layer_of(name)
-            beyond = layer >= stop_at_layer if layer is not None else name.startswith("ln_final.")
-            if beyond:
+            if not self._fires_before(name, stop_at_layer):
                 raise ValueError(
                     f"hook {name!r} cannot fire with stop_at_layer={stop_at_layer}: the forward "
                     f"stops before it. Remove the hook or raise stop_at_layer."
@@ -277,24 +300,51 @@ class Bridge:
         return target.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
 
     # -- tokens ------------------------------------------------------------------------------
+    def _tokenize(
+        self,
+        texts: list[str],
+        prepend_bos: bool | None,
+        padding_side: PaddingSide | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Ids and mask; ``None`` takes ``cfg.default_prepend_bos`` / ``default_padding_side``."""
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        side = self.cfg.default_padding_side if padding_side is None else padding_side
+        return tokenize(require_tokenizer(self.tokenizer), texts, bos, side)
+
     def to_tokens(
         self,
         input: str | list[str],
         prepend_bos: bool | None = None,
-        padding_side: PaddingSide = "right",
+        padding_side: PaddingSide | None = None,
     ) -> Int[Tensor, "batch pos"]:
-        """Token ids ``[batch pos]``; ``prepend_bos=None`` keeps the tokenizer's default."""
+        """Token ids ``[batch pos]``, as TransformerLens makes them: one BOS first when
+        ``prepend_bos`` (default ``cfg.default_prepend_bos``), padded on ``padding_side``
+        (default ``cfg.default_padding_side``)."""
         texts = [input] if isinstance(input, str) else list(input)
-        tokens, _ = tokenize(require_tokenizer(self.tokenizer), texts, prepend_bos, padding_side)
-        return tokens
+        return self._tokenize(texts, prepend_bos, padding_side)[0]
 
-    def to_str_tokens(self, input: str | Tensor, prepend_bos: bool | None = None) -> list[str]:
-        """Each token of a string (or of a 1-D / batch-1 token tensor) as a string."""
+    def to_str_tokens(
+        self,
+        input: str | list[str] | Tensor,
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
+    ) -> list[str] | list[list[str]]:
+        """Each token as a string: of a string or a 1-D / batch-1 token tensor (a list), or of
+        each string of a list or each row of a batch (a list of lists). Tensors are decoded as
+        given (``prepend_bos`` applies to strings only)."""
         tokenizer = require_tokenizer(self.tokenizer)
-        tokens = self.to_tokens(input, prepend_bos) if isinstance(input, str) else input
-        tokens = tokens.reshape(-1) if tokens.ndim == 2 and tokens.shape[0] == 1 else tokens
+        if isinstance(input, list):
+            return [cast(list[str], self.to_str_tokens(text, prepend_bos)) for text in input]
+        if isinstance(input, str):
+            tokens = self.to_tokens(input, prepend_bos, padding_side)[0]
+        else:
+            tokens = input.reshape(-1) if input.ndim == 2 and input.shape[0] == 1 else input
+        if tokens.ndim == 2:
+            return [[tokenizer.decode([int(t)]) for t in row] for row in tokens]
         if tokens.ndim != 1:
-            raise ValueError(f"to_str_tokens takes one sequence, got shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"to_str_tokens takes a sequence or a batch, got shape {tuple(tokens.shape)}"
+            )
         return [tokenizer.decode([int(t)]) for t in tokens]
 
     def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
@@ -323,12 +373,13 @@ class Bridge:
         self,
         input: Input,
         attention_mask: Tensor | None,
-        padding_side: PaddingSide = "right",
+        padding_side: PaddingSide | None = None,
+        prepend_bos: bool | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         if isinstance(input, str):
             input = [input]
         if isinstance(input, list):
-            tokens, mask = tokenize(require_tokenizer(self.tokenizer), input, None, padding_side)
+            tokens, mask = self._tokenize(input, prepend_bos, padding_side)
             if attention_mask is not None:
                 raise ValueError("attention_mask is built from strings; pass it only with tokens")
             attention_mask = mask if bool((mask == 0).any()) else None
@@ -395,16 +446,19 @@ class Bridge:
         return_type: Literal["logits", "loss", "both"] | None = "logits",
         attention_mask: Tensor | None = None,
         stop_at_layer: int | None = None,
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> Any:
         """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
 
         With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
+        Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(
                 f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
             )
-        tokens, mask = self._prepare(input, attention_mask)
+        tokens, mask = self._prepare(input, attention_mask, padding_side, prepend_bos)
         out = self._run(tokens, mask, stop_at_layer)
         if stop_at_layer is not None or return_type == "logits":
             return out
@@ -444,10 +498,20 @@ class Bridge:
         attention_mask: Tensor | None = None,
         return_cache_object: bool = True,
         return_type: Literal["logits", "loss", "both"] | None = "logits",
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result``."""
         names = resolve_names(names_filter, self.hook_names)
+        if callable(names_filter):  # switched-off names are left out, as they cannot fire
+            names = [n for n in names if not self._switched_off(n)]
+        if names_filter is None:
+            selected = set(names) | set(self._switched_on_names())
+            names = [n for n in self.hook_names if n in selected]
+        if names_filter is None and stop_at_layer is not None:  # every name that can fire
+            stop = stop_at_layer + self.cfg.n_layers if stop_at_layer < 0 else stop_at_layer
+            names = [n for n in names if self._fires_before(n, stop)]
         store: dict[str, Tensor] = {}
 
         def save(x: Tensor, hook: HookPoint) -> None:
@@ -455,7 +519,9 @@ class Bridge:
 
         handles = [self.hook_dict[n].add_hook(save) for n in names]
         try:
-            out = self.forward(input, return_type, attention_mask, stop_at_layer)
+            out = self.forward(
+                input, return_type, attention_mask, stop_at_layer, prepend_bos, padding_side
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -473,14 +539,19 @@ class Bridge:
         max_new_tokens: int = 10,
         do_sample: bool = False,
         return_type: Literal["input", "tokens", "str"] = "input",
+        prepend_bos: bool | None = None,
+        padding_side: PaddingSide = "left",
         **generate_kwargs: Any,
     ) -> Any:
         """Generate with the active hooks firing at every step (they see the new tokens).
 
-        Batched strings are left-padded. Returns the same kind as the input (``"input"``),
-        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``).
+        Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``; batched
+        strings are left-padded by default. Returns the same kind as the input (``"input"``),
+        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``); strings are decoded
+        without special tokens, so a prepended BOS does not appear in them.
         """
-        tokens, mask = self._prepare(input, generate_kwargs.pop("attention_mask", None), "left")
+        mask_arg = generate_kwargs.pop("attention_mask", None)
+        tokens, mask = self._prepare(input, mask_arg, padding_side, prepend_bos)
         if mask is None:
             mask = torch.ones_like(tokens)
         pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
@@ -499,9 +570,23 @@ class Bridge:
             )
         self._check_fired()
         if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
-            strings = self.to_string(out)
+            from_strings = isinstance(input, (str, list))
+            bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            strings = self._decode_generated(out, mask if from_strings and bos else None)
             return strings[0] if isinstance(input, str) else strings
         return out
+
+    def _decode_generated(self, out: Tensor, bos_mask: Tensor | None) -> list[str]:
+        """Each row as a string; with ``bos_mask`` (the prompt's mask), the BOS the strings were
+        given (each row's first real token) is left out."""
+        tokenizer = require_tokenizer(self.tokenizer)
+        if bos_mask is None:
+            return [tokenizer.decode(row.tolist()) for row in out]
+        first_real = bos_mask.argmax(-1).tolist()  # index of the first 1
+        return [
+            tokenizer.decode(row[:start].tolist() + row[start + 1 :].tolist())
+            for row, start in zip(out, first_real, strict=True)
+        ]
 
 
 def _require_batch_one(store: dict[str, Tensor]) -> dict[str, Tensor]:

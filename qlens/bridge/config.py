@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from qlens.bridge.adapters.base import Adapter, NormType, PositionalType
 
@@ -49,6 +49,9 @@ class BridgeConfig:
     sliding_window: int | None
     attention_sinks: bool
     tie_word_embeddings: bool
+    # tokenization defaults for strings, as TransformerLens' cfg names them
+    default_prepend_bos: bool = True
+    default_padding_side: Literal["left", "right"] = "right"
 
 
 def _lookup(config: Any, adapter: Adapter, key: str) -> Any:
@@ -112,4 +115,5 @@ def build_config(hf_config: Any, adapter: Adapter, n_layers: int, eps: float) ->
         sliding_window=getattr(hf_config, "sliding_window", None),
         attention_sinks=adapter.family == "gpt_oss",
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        default_prepend_bos=adapter.default_prepend_bos,
     )

@@ -10,8 +10,10 @@ from torch import Tensor, nn
 from qlens.bridge import taps
 from qlens.bridge.adapters.base import Adapter
 from qlens.bridge.config import BridgeConfig, resolve_flag
-from qlens.bridge.names import LayerLayout
+from qlens.bridge.names import MLP_IN_NAME, SPLIT_INPUT_NAMES, LayerLayout
+from qlens.bridge.projection_taps import FusedQKSite, ProjectionHeadsSite
 from qlens.bridge.routing import route
+from qlens.bridge.split_inputs import SplitInputSite
 
 
 def get_module(root: nn.Module, path: str | None) -> nn.Module | None:
@@ -64,6 +66,8 @@ def resolve_layers(model: nn.Module, adapter: Adapter) -> list[ResolvedLayer]:
             parallel=parallel,
             moe=moe,
             gated="mlp_gate" in modules or "mlp_gate_up" in modules,
+            rotary=adapter.positional_embedding_type == "rotary",
+            separate_qkv=all(name in modules for name in ("q", "k", "v")),
         )
         resolved.append(ResolvedLayer(i, layer, modules, layout))
     return resolved
@@ -81,21 +85,25 @@ def build_layer_sites(
     ``owner`` is the wrapped model: weight reads made by a site are on its behalf.
     """
     m, p, rms = rl.modules, f"blocks.{rl.index}.", adapter.normalization_type == "RMS"
+    offset = adapter.norm_weight_offset
     sites: list[taps.Site] = [
         taps.LayerInputSite(rl.layer, p + "hook_resid_pre", store),
-        taps.NormSite(m["ln1"], p + "ln1", rms),
+        taps.NormSite(m["ln1"], p + "ln1", rms, offset),
+        *_pre_rotary_sites(rl, adapter, cfg),
+        *_split_input_sites(rl, cfg, store),
         taps.ResultSite(m["o"], p + "attn.hook_result", cfg.n_heads, owner),
         taps.OutputSite(m["attn"], p + "hook_attn_out"),
     ]
     mid_branch = m["attn"]
     if "ln1_post" in m:
-        sites.append(taps.NormSite(m["ln1_post"], p + "ln1_post", rms))
+        sites.append(taps.NormSite(m["ln1_post"], p + "ln1_post", rms, offset))
         mid_branch = m["ln1_post"]
     if not rl.layout.parallel:
         sites.append(
             taps.ResidMidSite(mid_branch, p + "hook_resid_mid", store, p + "hook_resid_pre")
         )
-    sites.append(taps.NormSite(m["ln2"], p + "ln2", rms))
+    sites.append(taps.InputSite(m["ln2"], p + MLP_IN_NAME))
+    sites.append(taps.NormSite(m["ln2"], p + "ln2", rms, offset))
     if rl.layout.moe:
         if adapter.router_scheme is None:
             raise ValueError(f"adapter {adapter.family!r} has a router but no router_scheme")
@@ -128,12 +136,14 @@ def build_layer_sites(
         sites.append(taps.InputSite(m["mlp_down"], p + "mlp.hook_post"))
     sites.append(taps.OutputSite(m["mlp"] if "mlp" in m else m["mlp_down"], p + "hook_mlp_out"))
     if "ln2_post" in m:
-        sites.append(taps.NormSite(m["ln2_post"], p + "ln2_post", rms))
+        sites.append(taps.NormSite(m["ln2_post"], p + "ln2_post", rms, offset))
     sites.append(taps.OutputSite(rl.layer, p + "hook_resid_post"))
     # The layer input is recorded for resid_mid and, in families that flatten tokens, to give
     # the [batch pos] shape to sites that see [batch*pos ...] tensors.
     if not rl.layout.parallel:
         sites[0].also_needed_by = (p + "hook_resid_mid",)
+    if rl.layout.separate_qkv:
+        sites[0].also_needed_by += tuple(p + n for n in SPLIT_INPUT_NAMES)
     if adapter.flattens_tokens:
         sites[0].also_needed_by = tuple(n for site in sites for n in site.names)
 
@@ -143,6 +153,47 @@ def build_layer_sites(
         for site in sites[1:]:
             site.shape = shape
     return sites
+
+
+def _pre_rotary_sites(rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig) -> list[taps.Site]:
+    """``attn.hook_q``/``hook_k`` of a rotary layer, on the projections' outputs."""
+    if not rl.layout.rotary:
+        return []
+    m, q, k = rl.modules, f"blocks.{rl.index}.attn.hook_q", f"blocks.{rl.index}.attn.hook_k"
+    if "q" in m and "k" in m:
+        return [
+            ProjectionHeadsSite(m["q"], q, cfg.d_head),
+            ProjectionHeadsSite(m["k"], k, cfg.d_head),
+        ]
+    if "qkv" not in m or adapter.qkv_layout is None:
+        raise ValueError(
+            f"adapter {adapter.family!r} names neither q/k projections nor a fused qkv with its "
+            "qkv_layout, so attn.hook_q/hook_k have no site"
+        )
+    layout = adapter.qkv_layout
+    return [FusedQKSite(m["qkv"], q, k, layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)]
+
+
+def _split_input_sites(
+    rl: ResolvedLayer, cfg: BridgeConfig, store: dict[str, Tensor]
+) -> list[taps.Site]:
+    """The per-head q/k/v input hooks, on layers with separate q/k/v projections."""
+    if not rl.layout.separate_qkv:
+        return []
+    m, p = rl.modules, f"blocks.{rl.index}."
+    q_in, k_in, v_in, attn_in = (p + n for n in SPLIT_INPUT_NAMES)
+    return [
+        SplitInputSite(
+            (m["q"], m["k"], m["v"]),
+            m["ln1"],
+            (q_in, k_in, v_in, attn_in),
+            p + "hook_resid_pre",
+            store,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.d_head,
+        )
+    ]
 
 
 def _config_of(rl: ResolvedLayer) -> object:

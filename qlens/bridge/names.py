@@ -9,18 +9,20 @@ from dataclasses import dataclass
 
 NamesFilter = str | Sequence[str] | Callable[[str], bool] | None
 
-LN_NAMES = ("hook_scale", "hook_normalized")
-ATTN_NAMES = (
-    "hook_q",
-    "hook_k",
-    "hook_v",
-    "hook_attn_scores",
-    "hook_pattern",
-    "hook_z",
-    "hook_result",
-)
-# Opt-in names: only computed when asked for by name (not by names_filter=None).
-OPT_IN_SUFFIXES = ("attn.hook_result",)
+# A norm's RMS (or std) [batch pos 1], its input divided by it (before the weight), and its
+# output (weight and bias applied), as TransformerLens names them.
+LN_NAMES = ("hook_scale", "hook_normalized", "hook_out")
+# q/k/v as projected (q/k before rotary and before any q/k norm), then q/k after rotary.
+PROJECTION_NAMES = ("hook_q", "hook_k", "hook_v")
+ROTARY_NAMES = ("hook_rot_q", "hook_rot_k")
+ATTN_TAIL_NAMES = ("hook_attn_scores", "hook_pattern", "hook_z", "hook_result")
+# Per-head copies of the residual feeding q/k/v (TransformerLens' split inputs), when the
+# layer has separate q/k/v projections; and the residual entering the MLP's norm.
+SPLIT_INPUT_NAMES = ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input", "hook_attn_in")
+MLP_IN_NAME = "hook_mlp_in"
+# Opt-in names: only computed when asked for by name (not by names_filter=None), or by
+# names_filter=None once their switch is on (see ``qlens.bridge.switches``).
+OPT_IN_SUFFIXES = ("attn.hook_result", *SPLIT_INPUT_NAMES, MLP_IN_NAME)
 
 
 @dataclass(frozen=True)
@@ -32,19 +34,29 @@ class LayerLayout:
     parallel: bool
     moe: bool
     gated: bool
+    rotary: bool = False
+    separate_qkv: bool = False
+
+
+def attention_hook_names(prefix: str, rotary: bool) -> list[str]:
+    """The ``attn.*`` names of one layer, in firing order."""
+    shorts = [*PROJECTION_NAMES, *(ROTARY_NAMES if rotary else ()), *ATTN_TAIL_NAMES]
+    return [prefix + "attn." + n for n in shorts]
 
 
 def layer_hook_names(i: int, layout: LayerLayout) -> list[str]:
     """Every canonical name of layer ``i``, in the order the forward fires them."""
     p = f"blocks.{i}."
     names = [p + "hook_resid_pre", *(p + "ln1." + n for n in LN_NAMES)]
-    names += [p + "attn." + n for n in ATTN_NAMES]
+    if layout.separate_qkv:
+        names += [p + n for n in SPLIT_INPUT_NAMES]
+    names += attention_hook_names(p, layout.rotary)
     names.append(p + "hook_attn_out")
     if layout.ln1_post:
         names += [p + "ln1_post." + n for n in LN_NAMES]
     if not layout.parallel:
         names.append(p + "hook_resid_mid")
-    names += [p + "ln2." + n for n in LN_NAMES]
+    names += [p + MLP_IN_NAME, *(p + "ln2." + n for n in LN_NAMES)]
     if layout.moe:
         names += [p + "mlp.hook_router_logits", p + "mlp.hook_router_weights"]
     else:

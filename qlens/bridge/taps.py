@@ -144,38 +144,55 @@ class ResidMidSite(Site):
 
 
 class NormSite(Site):
-    """``<prefix>.hook_scale`` [batch pos 1] and ``<prefix>.hook_normalized`` (the norm output).
+    """``<prefix>.hook_scale`` [batch pos 1], ``hook_normalized`` and ``hook_out`` [batch pos d].
 
-    The scale is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm), computed in
-    float32 from the norm's input. Editing the scale rescales the norm's output accordingly.
+    As in TransformerLens: the scale is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps)
+    (RMSNorm), computed in float32 from the norm's input; ``hook_normalized`` is the (centered)
+    input divided by it, before the weight; ``hook_out`` is the norm module's output. Editing the
+    scale or the normalized input rebuilds the output as ``normalized * weight + bias``
+    (``1 + weight`` where the family offsets it).
     """
 
-    def __init__(self, module: nn.Module, prefix: str, rms: bool) -> None:
+    def __init__(self, module: nn.Module, prefix: str, rms: bool, weight_offset: float) -> None:
         self.module, self.rms, self.eps = module, rms, norm_eps(module)
-        self.names = (f"{prefix}.hook_scale", f"{prefix}.hook_normalized")
+        self.weight_offset = weight_offset
+        self.names = (f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out")
 
-    def scale(self, x: Tensor) -> Tensor:
-        """One reduction over the norm's input, in float32, without a full-size temporary."""
-        if self.rms:
-            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-            mean_square = norm.square_().div_(x.shape[-1])
-        else:
-            mean_square, _ = torch.var_mean(x.float(), dim=-1, keepdim=True, correction=0)
-        return mean_square.add_(self.eps).sqrt_()
+    def centered_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The norm's float32 (centered) input and its ``mean(x^2) + eps`` ``[... 1]``."""
+        x = x.float()
+        if not self.rms:
+            x = x - x.mean(-1, keepdim=True)
+        return x, x.pow(2).mean(-1, keepdim=True).add_(self.eps)
+
+    def affine(self, normalized: Tensor, dtype: torch.dtype) -> Tensor:
+        """``normalized * weight + bias`` in float32, as the HF norms apply them."""
+        weight = getattr(self.module, "weight", None)
+        y = normalized.float()
+        if weight is not None:
+            y = y * (weight.float() + self.weight_offset)
+        bias = getattr(self.module, "bias", None)
+        if bias is not None and not self.rms:
+            y = y + bias.float()
+        return y.to(dtype)
 
     def attach(self, points: Points) -> list[RemovableHandle]:
-        scale_name, normalized_name = self.names
+        scale_name, normalized_name, out_name = self.names
 
         def hook(_m: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             y = _first(output)
-            if points[scale_name].is_active:
-                scale = self.scale(args[0]).to(y.dtype)
+            if points[scale_name].is_active or points[normalized_name].is_active:
+                centered, variance = self.centered_and_variance(args[0])
+                scale = variance.sqrt().to(y.dtype)
                 new_scale = _fire(points, scale_name, scale, self.shape)
-                if new_scale is not scale:
-                    bias = getattr(self.module, "bias", None)
-                    shift = bias if (bias is not None and not self.rms) else 0.0
-                    y = (y - shift) * (scale / new_scale) + shift
-            y = _fire(points, normalized_name, y, self.shape)
+                if new_scale is scale:  # x * rsqrt(var + eps), as the HF norms compute it
+                    normalized = (centered * variance.rsqrt_()).to(y.dtype)
+                else:
+                    normalized = (centered / new_scale.float()).to(y.dtype)
+                new_normalized = _fire(points, normalized_name, normalized, self.shape)
+                if new_scale is not scale or new_normalized is not normalized:
+                    y = self.affine(new_normalized, y.dtype)
+            y = _fire(points, out_name, y, self.shape)
             return _with_first(output, y)
 
         return [self.module.register_forward_hook(hook)]

@@ -20,6 +20,36 @@ def require_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer itself starts every encoding with its BOS token."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
+def bos_token_id(tokenizer: Any) -> int:
+    """The BOS id to prepend: the tokenizer's BOS, else its EOS (as TransformerLens does)."""
+    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    raise ValueError(
+        "prepend_bos=True but the tokenizer has neither a BOS nor an EOS token; "
+        "pass prepend_bos=False"
+    )
+
+
+def _token_ids(tokenizer: Any, text: str, prepend_bos: bool | None, prepends: bool) -> list[int]:
+    if not isinstance(text, str):
+        raise TypeError(f"expected strings to tokenize, got {type(text).__name__}")
+    ids = list(tokenizer(text)["input_ids"])
+    if prepend_bos is None:
+        return ids
+    if prepend_bos and not prepends:
+        return [bos_token_id(tokenizer), *ids]
+    if not prepend_bos and prepends:
+        return ids[1:]
+    return ids
+
+
 def tokenize(
     tokenizer: Any,
     texts: list[str],
@@ -28,24 +58,14 @@ def tokenize(
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
     """Token ids and attention mask (1 = real token) for a batch of strings.
 
-    ``prepend_bos=None`` keeps the tokenizer's own special-token behaviour; True/False force a
-    single BOS at the start or none.
+    As TransformerLens: each string gets exactly one BOS at its start when ``prepend_bos``
+    (whether or not the tokenizer adds one itself) and none when False; ``None`` keeps what
+    the tokenizer makes.
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    rows = []
-    for text in texts:
-        if not isinstance(text, str):
-            raise TypeError(f"expected strings to tokenize, got {type(text).__name__}")
-        ids = tokenizer(text, add_special_tokens=prepend_bos is None)["input_ids"]
-        if prepend_bos:
-            bos = tokenizer.bos_token_id
-            if bos is None:
-                raise ValueError(
-                    "prepend_bos=True but the tokenizer has no bos_token_id; use prepend_bos=False"
-                )
-            ids = [bos, *ids]
-        rows.append(list(ids))
+    prepends = tokenizer_prepends_bos(tokenizer)
+    rows = [_token_ids(tokenizer, text, prepend_bos, prepends) for text in texts]
     if not all(rows):
         raise ValueError(
             "a string tokenized to zero tokens; pass non-empty text or prepend_bos=True"
@@ -61,6 +81,12 @@ def tokenize(
         tokens[i, span] = torch.tensor(row, dtype=torch.long)
         mask[i, span] = 1
     return tokens, mask
+
+
+def default_padding_side(tokenizer: Any) -> PaddingSide:
+    """The tokenizer's padding side (``"right"`` when it sets none)."""
+    side = getattr(tokenizer, "padding_side", None)
+    return side if side in ("left", "right") else "right"
 
 
 def positions_from_mask(mask: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:

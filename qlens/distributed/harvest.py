@@ -89,7 +89,7 @@ def harvest(
         rank, world_size: this process's shard; both None reads them from ``torchrun`` (starting
             the process group: NCCL on GPU, Gloo on CPU) or means rank 0 of 1.
         dtype: cast activations to this dtype before writing (default: as produced).
-        prepend_bos: for strings; None keeps the tokenizer's special-token behaviour.
+        prepend_bos: for strings; None takes ``bridge.cfg.default_prepend_bos``.
         model_name: recorded in the manifest (default: the model's ``name_or_path``).
 
     Returns the path of this rank's manifest. Bad names, ranks or inputs raise before any forward.
@@ -99,6 +99,8 @@ def harvest(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size, or neither (to read them from torchrun)")
+    if prepend_bos is None:
+        prepend_bos = bridge.cfg.default_prepend_bos
     tokens, mask = dataset_tokens(dataset_tokens_or_texts, bridge.tokenizer, prepend_bos)
     info = process_group.init_from_env() if rank is None else None
     if info is not None:

@@ -84,7 +84,7 @@ def test_sandwich_heads_go_through_the_post_norm_with_the_cached_scale(arch):
     torch.testing.assert_close(normed, raw * factor, atol=1e-6, rtol=1e-6)
     # The post norm of the summed heads is the attention's contribution to the residual.
     torch.testing.assert_close(
-        normed.sum(0), cache["blocks.0.ln1_post.hook_normalized"], atol=1e-5, rtol=0
+        normed.sum(0), cache["blocks.0.ln1_post.hook_out"], atol=1e-5, rtol=0
     )
     without_scale = {k: v for k, v in cache.items() if "ln1_post.hook_scale" not in k}
     with pytest.raises(ValueError, match=r"needs blocks\.0\.ln1_post\.hook_scale in the cache"):
@@ -99,7 +99,7 @@ def test_sandwich_logit_attrs_reproduce_the_raw_logit_differences(arch):
     correct, wrong = tokens.roll(-1, dims=1), torch.full_like(tokens, 7)
     attrs = analysis.logit_attrs(bridge, normalized, correct, wrong, allow_softcap=True)
     w_u = A.W_U(bridge)
-    raw = cache["ln_final.hook_normalized"] @ w_u  # logits before any softcap
+    raw = cache["ln_final.hook_out"] @ w_u  # logits before any softcap
     expected = raw.gather(-1, correct[..., None])[..., 0] - raw[..., 7]
     torch.testing.assert_close(attrs.sum(0), expected, atol=2e-4, rtol=1e-4)
     softcap = bridge.cfg.final_logit_softcapping
@@ -132,11 +132,9 @@ def test_logit_attrs_reproduce_logit_differences(arch):
     normalized = analysis.apply_ln_to_stack(bridge, cache, decomposition.values)
     ln_bias = getattr(bridge.ln_final, "bias", None)
     ln_bias = torch.zeros(bridge.cfg.d_model) if ln_bias is None else ln_bias.detach()
-    torch.testing.assert_close(
-        normalized.sum(0) + ln_bias, cache["ln_final.hook_normalized"], **TOL
-    )
+    torch.testing.assert_close(normalized.sum(0) + ln_bias, cache["ln_final.hook_out"], **TOL)
     with_bias = analysis.apply_ln_to_stack(bridge, cache, decomposition.values, bias_component=-1)
-    torch.testing.assert_close(with_bias.sum(0), cache["ln_final.hook_normalized"], **TOL)
+    torch.testing.assert_close(with_bias.sum(0), cache["ln_final.hook_out"], **TOL)
     torch.testing.assert_close(with_bias[:-1], normalized[:-1], atol=0, rtol=0)
     correct = tokens.roll(-1, dims=1)  # any per-position token ids
     wrong = torch.full_like(tokens, 7)

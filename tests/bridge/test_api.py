@@ -7,6 +7,7 @@ import torch
 from bridge_models import tiny_model
 
 from qlens.bridge import Bridge, attention
+from qlens.bridge.names import OPT_IN_SUFFIXES
 
 TOL = 1e-5
 TOKENS = torch.tensor([[5, 17, 301, 42, 9, 77], [8, 600, 3, 250, 11, 99]])
@@ -51,7 +52,10 @@ def test_names_filter_forms() -> None:
     _, cache = bridge.run_with_cache(TOKENS, names_filter=lambda n: n.endswith("hook_pattern"))
     assert list(cache.keys()) == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
     _, cache = bridge.run_with_cache(TOKENS)
-    assert set(cache.keys()) == {n for n in bridge.hook_names if not n.endswith("hook_result")}
+    assert set(cache.keys()) == {n for n in bridge.hook_names if not n.endswith(OPT_IN_SUFFIXES)}
+    assert "blocks.0.hook_mlp_in" in bridge.hook_names  # opt-in behind set_use_hook_mlp_in
+    _, cache = bridge.run_with_cache(TOKENS, names_filter=lambda n: n.startswith("blocks.0."))
+    assert "blocks.0.hook_mlp_in" not in cache and "blocks.0.attn.hook_result" in cache
 
 
 @pytest.mark.parametrize("name", ["blocks.0.hook_resid_mid", "blocks.1.attn.hook_q"])
@@ -147,23 +151,27 @@ def test_resid_mid_edit_replaces_the_residual() -> None:
                 TOKENS, names_filter=lambda n: n.startswith("blocks.0")
             )
     assert torch.allclose(cache["blocks.0.hook_resid_mid"], torch.ones(1))
-    expected = 1 + cache["blocks.0.ln2_post.hook_normalized"]
+    expected = 1 + cache["blocks.0.ln2_post.hook_out"]
     assert (cache["blocks.0.hook_resid_post"] - expected).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_scale_edit_rescales_normalized(arch: str) -> None:
+    """Doubling the scale halves hook_normalized, and hook_out is it times weight plus bias."""
     bridge = Bridge(tiny_model(arch))
     ln = bridge.model.get_submodule(bridge.adapter.layers)[0].get_submodule(
         "ln_1" if arch == "gpt2" else "input_layernorm"
     )
+    names = ["blocks.0.ln1.hook_normalized", "blocks.0.ln1.hook_out"]
     with torch.no_grad():
-        _, clean = bridge.run_with_cache(TOKENS, names_filter="blocks.0.ln1.hook_normalized")
+        _, clean = bridge.run_with_cache(TOKENS, names_filter=names)
         with bridge.hooks(fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, hook: x * 2)]):
-            _, edited = bridge.run_with_cache(TOKENS, names_filter="blocks.0.ln1.hook_normalized")
+            _, edited = bridge.run_with_cache(TOKENS, names_filter=names)
+    normalized = edited["blocks.0.ln1.hook_normalized"]
+    assert (normalized - clean["blocks.0.ln1.hook_normalized"] / 2).abs().max() <= TOL
     bias = ln.bias.detach() if arch == "gpt2" else 0.0
-    expected = (clean["blocks.0.ln1.hook_normalized"] - bias) / 2 + bias
-    assert (edited["blocks.0.ln1.hook_normalized"] - expected).abs().max() <= TOL
+    expected_out = normalized * ln.weight.detach() + bias
+    assert (edited["blocks.0.ln1.hook_out"] - expected_out).abs().max() <= TOL
 
 
 def test_backward_hooks_receive_gradients() -> None:
@@ -227,10 +235,12 @@ def test_generate_with_attention_hooks_matches_plain_generate(arch: str, word_to
     with bridge.hooks(fwd_hooks=[hook]):
         hooked = bridge.generate(prompts, max_new_tokens=4, return_type="tokens")
     assert torch.equal(base, hooked)
-    assert patterns[0][-2:] == (6, 6)
+    n = bridge.to_tokens(prompts).shape[-1]  # 6 words, and a BOS where the family takes one
+    assert n == (7 if bridge.cfg.default_prepend_bos else 6)
+    assert patterns[0][-2:] == (n, n)
     # decoding: one query reads the cached keys (a sliding-window cache keeps only the window)
     sliding_cache = arch in ("mistral", "gemma3_text")  # their layer 1 uses the window of 4
-    assert patterns[1][-2:] == (1, 4 if sliding_cache else 7)
+    assert patterns[1][-2:] == (1, 4 if sliding_cache else n + 1)
     assert bridge.model.config._attn_implementation != "qlens"
 
 
@@ -276,7 +286,9 @@ def test_strings_build_the_mask_automatically(word_tokenizer) -> None:  # noqa: 
     with torch.no_grad():
         batch = bridge(["the cat sat on the mat", "a dog"])
         single = bridge("a dog")
-    assert (batch[1, :2] - single[0]).abs().max() <= TOL
+    n = single.shape[1]  # "a dog" and the BOS GPT-2 takes by default
+    assert n == 3
+    assert (batch[1, :n] - single[0]).abs().max() <= TOL
 
 
 def test_stop_at_layer(arch: str) -> None:
@@ -288,10 +300,19 @@ def test_stop_at_layer(arch: str) -> None:
         resid_n = bridge(TOKENS, stop_at_layer=n)
         resid_neg = bridge(TOKENS, stop_at_layer=-1)
         resid_0, partial = bridge.run_with_cache(TOKENS, stop_at_layer=0, names_filter="hook_embed")
+    n_layers = n
     assert torch.equal(resid_1, cache["resid_post", 0])
     assert torch.equal(resid_neg, cache["resid_pre", n - 1])
     assert torch.equal(resid_n, cache["resid_post", n - 1])
     assert torch.equal(resid_0, cache["resid_pre", 0]) and "hook_embed" in partial
+    _, fireable = bridge.run_with_cache(TOKENS, stop_at_layer=1)  # no filter: what fires
+    assert set(fireable) == {
+        n
+        for n in bridge.hook_names
+        if n.startswith(("hook_", "blocks.0.")) and not n.endswith(OPT_IN_SUFFIXES)
+    }
+    _, to_last = bridge.run_with_cache(TOKENS, stop_at_layer=-1)
+    assert not any(n.startswith((f"blocks.{n_layers - 1}.", "ln_final")) for n in to_last)
     with pytest.raises(ValueError, match=r"'blocks\.1\.hook_resid_pre' cannot fire"):
         bridge.run_with_cache(TOKENS, stop_at_layer=1, names_filter="blocks.1.hook_resid_pre")
     with pytest.raises(ValueError, match=r"'ln_final\.hook_normalized' cannot fire"):
@@ -335,10 +356,16 @@ def test_input_errors() -> None:
 
 def test_tokens_helpers(word_tokenizer) -> None:  # noqa: ANN001
     bridge = Bridge(tiny_model("llama"), word_tokenizer)
-    assert bridge.to_tokens("the cat").tolist() == [[4, 5]]
-    assert bridge.to_tokens("the cat", prepend_bos=True).tolist() == [[1, 4, 5]]
-    assert bridge.to_tokens(["the cat", "a"], padding_side="left").tolist() == [[4, 5], [0, 9]]
-    assert bridge.to_str_tokens("the cat sat") == ["the", "cat", "sat"]
+    assert bridge.cfg.default_prepend_bos and bridge.cfg.default_padding_side == "right"
+    assert bridge.to_tokens("the cat").tolist() == [[1, 4, 5]]
+    assert bridge.to_tokens("the cat", prepend_bos=False).tolist() == [[4, 5]]
+    left = bridge.to_tokens(["the cat", "a"], prepend_bos=False, padding_side="left")
+    assert left.tolist() == [[4, 5], [0, 9]]
+    assert bridge.to_tokens(["the cat", "a"]).tolist() == [[1, 4, 5], [1, 9, 0]]
+    assert bridge.to_str_tokens("the cat sat") == ["<bos>", "the", "cat", "sat"]
+    assert bridge.to_str_tokens("the cat sat", prepend_bos=False) == ["the", "cat", "sat"]
+    assert bridge.to_str_tokens(["the cat", "a"]) == [["<bos>", "the", "cat"], ["<bos>", "a"]]
+    assert bridge.to_str_tokens(torch.tensor([[4, 5], [9, 10]])) == [["the", "cat"], ["a", "dog"]]
     assert bridge.to_string(torch.tensor([4, 5])) == "the cat"
     assert bridge.to_string(torch.tensor([[4, 5], [9, 10]])) == ["the cat", "a dog"]
 

@@ -1,4 +1,4 @@
-"""hook_q/k/v/z fire around the fast attention function; only scores/pattern compute them.
+"""q/k/v/z hooks fire around the fast attention function; only scores/pattern compute them.
 
 Both paths must give the same activations, the same logits as HF, and apply edits alike.
 """
@@ -12,7 +12,7 @@ from bridge_models import ARCHS, tiny_model
 from qlens.bridge import Bridge, attention
 
 TOL = 1e-5
-QKVZ = ("hook_q", "hook_k", "hook_v", "hook_z")
+QKVZ = ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k", "hook_v", "hook_z")
 # llama/qwen2: GQA on SDPA; gpt2: MHA on SDPA; gemma2: its own eager function (soft-capping)
 PATH_ARCHS = [a for a in ("llama", "qwen2", "gpt2", "gemma2") if a in ARCHS]
 
@@ -54,7 +54,8 @@ def test_qkvz_on_fast_path_equal_explicit_path(arch: str, monkeypatch: pytest.Mo
     n_layers = bridge.cfg.n_layers
     assert fast_calls == 0
     assert calls[0] == fast_calls + n_layers  # scores/pattern requested: explicit everywhere
-    assert len(fast) == 4 * n_layers
+    per_layer = 6 if bridge.cfg.positional_embedding_type == "rotary" else 4
+    assert len(fast) == per_layer * n_layers
     real = mask.bool()
     for name in fast:
         assert fast[name].shape == full[name].shape, name
@@ -96,7 +97,13 @@ def test_edits_of_q_and_z_act_the_same_on_both_paths(arch: str) -> None:
     def keep(x: torch.Tensor, hook) -> None:  # noqa: ANN001
         return None
 
-    edits = [("blocks.0.attn.hook_q", zero_head_0), ("blocks.1.attn.hook_z", zero_head_0)]
+    edits = [
+        ("blocks.0.attn.hook_q", zero_head_0),
+        ("blocks.0.attn.hook_k", zero_head_0),
+        ("blocks.1.attn.hook_z", zero_head_0),
+    ]
+    if bridge.cfg.positional_embedding_type == "rotary":
+        edits.append(("blocks.1.attn.hook_rot_q", zero_head_0))
     force_explicit = [("blocks.0.attn.hook_pattern", keep), ("blocks.1.attn.hook_pattern", keep)]
     with torch.no_grad():
         clean = bridge(tokens)
@@ -107,16 +114,16 @@ def test_edits_of_q_and_z_act_the_same_on_both_paths(arch: str) -> None:
 
 
 def test_explicit_scores_mask_and_scale_match_a_direct_computation() -> None:
-    """Scores = q k^T * d_head^-0.5 per head (GQA: head h reads KV head h // group), masked with
-    the dtype's minimum; the pattern is their softmax."""
+    """Scores = rotated q k^T * d_head^-0.5 per head (GQA: head h reads KV head h // group),
+    masked with the dtype's minimum; the pattern is their softmax."""
     bridge = Bridge(tiny_model("llama"))
     tokens, mask = _tokens(), _mask()
     with torch.no_grad():
         _, cache = bridge.run_with_cache(tokens, attention_mask=mask)
     cfg = bridge.cfg
     group = cfg.n_heads // cfg.n_kv_heads
-    q = cache["blocks.1.attn.hook_q"]
-    k = cache["blocks.1.attn.hook_k"].repeat_interleave(group, dim=2)
+    q = cache["blocks.1.attn.hook_rot_q"]
+    k = cache["blocks.1.attn.hook_rot_k"].repeat_interleave(group, dim=2)
     expected = torch.einsum("bqhd,bkhd->bhqk", q, k) * cfg.d_head**-0.5
     allowed = torch.ones(9, 9, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
     scores = cache["blocks.1.attn.hook_attn_scores"]

@@ -56,7 +56,7 @@ def test_stack_and_accumulated_resid(gemma2_run) -> None:  # noqa: ANN001
     assert labels == ["0_pre", "0_mid", "1_pre"]
     assert torch.equal(resid[1], cache["resid_mid", 0])
     normed = cache.accumulated_resid(apply_ln=True)
-    assert (normed[-1] - cache["ln_final.hook_normalized"]).abs().max() <= 1e-5
+    assert (normed[-1] - cache["ln_final.hook_out"]).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="layer must be in"):
         cache.accumulated_resid(layer=3)
 

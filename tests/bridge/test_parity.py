@@ -30,6 +30,9 @@ def runs() -> dict[str, tuple]:
     for arch in ARCHS:
         model = tiny_model(arch)
         bridge = Bridge(model)
+        bridge.set_use_hook_mlp_in(True)
+        if any(n.endswith("attn.hook_q_input") for n in bridge.hook_names):
+            bridge.set_use_split_qkv_input(True)  # hook_attn_in stays off: they exclude each other
         tokens = _tokens()
         acts: dict[str, torch.Tensor] = {}
         save = _saver(acts)
@@ -51,13 +54,13 @@ def test_no_hooks_logits_equal_hf(arch: str) -> None:
 
 def test_every_hook_fires_and_logits_equal_hf(arch: str, runs: dict) -> None:
     bridge, _, hf, acts, logits = runs[arch]
-    assert set(acts) == set(bridge.hook_names)
+    assert set(acts) == {n for n in bridge.hook_names if not n.endswith("hook_attn_in")}
     assert (logits - hf.logits).abs().max().item() <= TOL
 
 
 def test_residual_stream_matches_hf_hidden_states(arch: str, runs: dict) -> None:
     """HF's hidden_states[0] is the embedding, [i+1] the output of layer i, except the last entry,
-    which HF returns after the final norm: it is compared with ln_final.hook_normalized."""
+    which HF returns after the final norm: it is compared with ln_final.hook_out."""
     bridge, _, hf, acts, _ = runs[arch]
     n = bridge.cfg.n_layers
     hs = hf.hidden_states
@@ -67,7 +70,7 @@ def test_residual_stream_matches_hf_hidden_states(arch: str, runs: dict) -> None
         assert torch.equal(
             acts[f"blocks.{i}.hook_resid_post"], acts[f"blocks.{i + 1}.hook_resid_pre"]
         )
-    assert (acts["ln_final.hook_normalized"] - hs[n]).abs().max() <= TOL
+    assert (acts["ln_final.hook_out"] - hs[n]).abs().max() <= TOL
     if "hook_pos_embed" in acts:
         embed_sum = acts["hook_embed"] + acts["hook_pos_embed"]
         assert (embed_sum - acts["blocks.0.hook_resid_pre"]).abs().max() <= TOL
@@ -154,8 +157,8 @@ def test_residual_decomposes_into_branches(arch: str, runs: dict) -> None:
     bridge, _, _, acts, _ = runs[arch]
     for i in range(bridge.cfg.n_layers):
         p = f"blocks.{i}."
-        attn = acts.get(p + "ln1_post.hook_normalized", acts[p + "hook_attn_out"])
-        mlp = acts.get(p + "ln2_post.hook_normalized", acts[p + "hook_mlp_out"])
+        attn = acts.get(p + "ln1_post.hook_out", acts[p + "hook_attn_out"])
+        mlp = acts.get(p + "ln2_post.hook_out", acts[p + "hook_mlp_out"])
         total = acts[p + "hook_resid_pre"] + attn + mlp
         assert (total - acts[p + "hook_resid_post"]).abs().max() <= TOL
         if not bridge.cfg.parallel_attn_mlp:
@@ -177,7 +180,7 @@ def test_norm_scale_and_normalized(arch: str, runs: dict) -> None:
         bridge.adapter.layer.ln1
     )
     with torch.no_grad():
-        assert (acts["blocks.0.ln1.hook_normalized"] - ln1(x)).abs().max() <= TOL
+        assert (acts["blocks.0.ln1.hook_out"] - ln1(x)).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in ("mixtral", "qwen3_moe", "gpt_oss")])

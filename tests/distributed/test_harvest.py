@@ -95,7 +95,9 @@ def test_manifest_fields(bridge: Bridge, tmp_path: Path) -> None:
     assert path == tmp_path / "shard-00001-of-00002.json"
     manifest = json.loads(path.read_text())
     assert set(manifest) == set(MANIFEST_FIELDS)
-    seq_len = max(len(t.split()) for t in TEXTS)
+    assert bridge.cfg.default_prepend_bos  # strings get one BOS, as in to_tokens
+    seq_len = max(len(t.split()) for t in TEXTS) + 1
+    assert seq_len == bridge.to_tokens(TEXTS).shape[1]
     names = resolve_patterns(NAMES, bridge.hook_names)
     assert manifest["model"] == "tiny-llama"
     assert (manifest["rank"], manifest["world_size"], manifest["n_examples"]) == (1, 2, 8)

@@ -35,4 +35,4 @@ def test_python_examples_run(tmp_path):
         [sys.executable, str(path)], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Paris" in result.stdout and "30 573" in result.stdout
+    assert "Paris" in result.stdout and "30 844" in result.stdout

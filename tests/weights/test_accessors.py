@@ -12,10 +12,9 @@ from qlens.bridge import Bridge
 from qlens.quant.model_quantize import quantize
 from qlens.weights import accessors as A
 
-# Families whose hook_q/hook_k at position 0 are the plain projections: rotary is the identity
-# there; q/k norms (Qwen3, Gemma 3), OPT's pre-scaled queries and YaRN's attention factor
-# (GPT-OSS) are applied on top of the projection.
-PLAIN_QK = ["gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox", "mixtral"]
+# Families whose hook_q/hook_k are the plain projections: before rotary and q/k norms, as in
+# TransformerLens (OPT's attention function receives pre-scaled queries).
+PLAIN_QK = [a for a in ARCHS if a != "opt"]
 MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
 TOL = dict(atol=2e-5, rtol=1e-5)
 _CACHES: dict[str, tuple[Bridge, object, torch.Tensor, torch.Tensor]] = {}
@@ -42,7 +41,7 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_attention_weights_reproduce_v_and_attn_out(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"]
+        x = cache[f"blocks.{layer}.ln1.hook_out"]
         v = _project(x, A.W_V(bridge, layer), A.b_V(bridge, layer))
         torch.testing.assert_close(v, cache[f"blocks.{layer}.attn.hook_v"], **TOL)
         z = cache[f"blocks.{layer}.attn.hook_z"]
@@ -54,11 +53,11 @@ def test_attention_weights_reproduce_v_and_attn_out(arch):
 def test_query_and_key_weights_reproduce_q_and_k(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"][:, :1]
+        x = cache[f"blocks.{layer}.ln1.hook_out"]
         q = _project(x, A.W_Q(bridge, layer), A.b_Q(bridge, layer))
         k = _project(x, A.W_K(bridge, layer), A.b_K(bridge, layer))
-        torch.testing.assert_close(q, cache[f"blocks.{layer}.attn.hook_q"][:, :1], **TOL)
-        torch.testing.assert_close(k, cache[f"blocks.{layer}.attn.hook_k"][:, :1], **TOL)
+        torch.testing.assert_close(q, cache[f"blocks.{layer}.attn.hook_q"], **TOL)
+        torch.testing.assert_close(k, cache[f"blocks.{layer}.attn.hook_k"], **TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -77,7 +76,7 @@ def test_stacked_accessors_stack_the_layers(arch):
 def test_mlp_weights_reproduce_the_mlp(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+        x = cache[f"blocks.{layer}.ln2.hook_out"]
         pre = cache[f"blocks.{layer}.mlp.hook_pre"]
         if bridge.cfg.gated_mlp:
             torch.testing.assert_close(x @ A.W_gate(bridge, layer), pre, **TOL)
@@ -116,7 +115,7 @@ def _expert_output(bridge: Bridge, layer: int, expert: int, x: torch.Tensor) -> 
 def test_expert_and_router_weights_reproduce_the_moe_block(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+        x = cache[f"blocks.{layer}.ln2.hook_out"]
         logits = x @ A.W_router(bridge, layer) + A.b_router(bridge, layer)
         torch.testing.assert_close(logits, cache[f"blocks.{layer}.mlp.hook_router_logits"], **TOL)
         weights = cache[f"blocks.{layer}.mlp.hook_router_weights"]
@@ -145,7 +144,7 @@ def test_embedding_and_unembedding(arch):
     else:
         with pytest.raises(ValueError, match="has no learned position embedding"):
             A.W_pos(bridge)
-    unembedded = cache["ln_final.hook_normalized"] @ A.W_U(bridge) + A.b_U(bridge)
+    unembedded = cache["ln_final.hook_out"] @ A.W_U(bridge) + A.b_U(bridge)
     cap = bridge.cfg.final_logit_softcapping
     if cap:
         unembedded = torch.tanh(unembedded / cap) * cap

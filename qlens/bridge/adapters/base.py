@@ -79,5 +79,7 @@ class Adapter:
     router_scheme: RouterScheme | None = None
     router_renormalize: bool | str = True
     act_fn: str | None = None  # fixed activation name; None reads it from the config
+    # whether strings get a BOS token by default (TransformerLens' per-family default)
+    default_prepend_bos: bool = True
     config_attrs: dict[str, str | Callable[[Any], Any]] = field(default_factory=dict)
     check_config: Callable[[Any], None] | None = None  # raises on unsupported variants

@@ -4,6 +4,7 @@ from qlens.bridge.adapters.base import Adapter, LayerPaths
 
 GPT_NEOX = Adapter(
     family="gpt_neox",
+    default_prepend_bos=False,
     embed="gpt_neox.embed_in",
     layers="gpt_neox.layers",
     ln_final="gpt_neox.final_layer_norm",

@@ -27,11 +27,12 @@ LLAMA = Adapter(
     positional_embedding_type="rotary",
 )
 MISTRAL = Adapter(**{**LLAMA.__dict__, "family": "mistral"})
-QWEN2 = Adapter(**{**LLAMA.__dict__, "family": "qwen2"})
+QWEN2 = Adapter(**{**LLAMA.__dict__, "family": "qwen2", "default_prepend_bos": False})
 QWEN3 = Adapter(
     **{
         **LLAMA.__dict__,
         "family": "qwen3",
+        "default_prepend_bos": False,
         "layer": LayerPaths(
             **{**LLAMA_LAYER.__dict__, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
         ),

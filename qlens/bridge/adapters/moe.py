@@ -22,6 +22,7 @@ QWEN3_MOE = Adapter(
     **{
         **MIXTRAL.__dict__,
         "family": "qwen3_moe",
+        "default_prepend_bos": False,
         "layer": LayerPaths(
             **{**_MOE_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
         ),

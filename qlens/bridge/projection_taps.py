@@ -1,0 +1,89 @@
+"""``attn.hook_q`` / ``hook_k`` on rotary families: the projections' outputs, before rotary.
+
+As in TransformerLens, they are ``[batch pos head d_head]`` views of what the q/k projections
+return, before any q/k norm (Qwen3, Gemma 3) and before rotary; ``hook_rot_q``/``hook_rot_k``
+(fired by qlens attention) hold the rotated values. An edit flows through the norm and rotary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from qlens.bridge.adapters.base import QKVLayout
+from qlens.bridge.taps import Points, Site
+
+
+def _fire_heads(points: Points, name: str, flat: Tensor, d_head: int) -> Tensor:
+    """Fire ``name`` on ``[... head*d_head]`` seen as ``[... head d_head]``; same layout back."""
+    point = points.get(name)
+    if point is None or not point.is_active:
+        return flat
+    heads = flat.unflatten(-1, (-1, d_head))
+    new = point(heads)
+    return flat if new is heads else new.flatten(-2)
+
+
+class ProjectionHeadsSite(Site):
+    """One projection module's output as ``[batch pos head d_head]`` under ``name``."""
+
+    def __init__(self, module: nn.Module, name: str, d_head: int) -> None:
+        self.module, self.names, self.d_head = module, (name,), d_head
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+
+        def hook(_m: nn.Module, _args: Any, output: Tensor) -> Tensor:
+            return _fire_heads(points, name, output, self.d_head)
+
+        return [self.module.register_forward_hook(hook)]
+
+
+class FusedQKSite(Site):
+    """``hook_q`` and ``hook_k`` on a fused qkv projection's output.
+
+    ``qkv_blocks``: ``[all q | all k | all v]``; ``per_head_qkv``: each head's ``[q | k | v]``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        q_name: str,
+        k_name: str,
+        layout: QKVLayout,
+        n_heads: int,
+        n_kv_heads: int,
+        d_head: int,
+    ) -> None:
+        self.module, self.names, self.layout = module, (q_name, k_name), layout
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
+
+    def split(self, output: Tensor) -> list[Tensor]:
+        """q, k, v as ``[... head*d_head]`` (per-head layout: gathered from each head)."""
+        if self.layout == "per_head_qkv":
+            per_head = output.unflatten(-1, (self.n_heads, 3, self.d_head))
+            return [per_head[..., i, :].flatten(-2) for i in range(3)]
+        q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        return list(output.split([q_width, kv_width, kv_width], dim=-1))
+
+    def join(self, parts: list[Tensor]) -> Tensor:
+        if self.layout == "per_head_qkv":
+            heads = [p.unflatten(-1, (self.n_heads, self.d_head)) for p in parts]
+            return torch.stack(heads, dim=-2).flatten(-3)
+        return torch.cat(parts, dim=-1)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        q_name, k_name = self.names
+
+        def hook(_m: nn.Module, _args: Any, output: Tensor) -> Tensor:
+            q, k, v = self.split(output)
+            new_q = _fire_heads(points, q_name, q, self.d_head)
+            new_k = _fire_heads(points, k_name, k, self.d_head)
+            if new_q is q and new_k is k:
+                return output
+            return self.join([new_q, new_k, v])
+
+        return [self.module.register_forward_hook(hook)]
