@@ -41,8 +41,10 @@ from qlens.bridge import attention, taps
 from qlens.bridge.adapters import Adapter, get_adapter
 from qlens.bridge.cache import ActivationCache
 from qlens.bridge.config import BridgeConfig, build_config
+from qlens.bridge.generation import hf_generate_kwargs
 from qlens.bridge.layout import build_layer_sites, require_module, resolve_layers
 from qlens.bridge.loss import lm_loss
+from qlens.bridge.model_api import ModelAPI
 from qlens.bridge.names import (
     NamesFilter,
     layer_of,
@@ -62,7 +64,7 @@ class _StopForward(Exception):  # noqa: N818
         self.residual = residual
 
 
-class Bridge:
+class Bridge(ModelAPI):
     """Hook points, caching and generation for a supported HF causal LM."""
 
     def __init__(
@@ -122,6 +124,7 @@ class Bridge:
             for rl in self._layers
         ]
         self._running = False
+        self._setup_model_api()
 
     def _repr_html_(self) -> str:
         from qlens.rich_repr import render_html
@@ -395,10 +398,13 @@ class Bridge:
         return_type: Literal["logits", "loss", "both"] | None = "logits",
         attention_mask: Tensor | None = None,
         stop_at_layer: int | None = None,
+        loss_per_token: bool = False,
     ) -> Any:
         """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
 
         With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
+        ``loss_per_token=True`` gives the loss of each prediction ``[batch pos-1]`` instead of the
+        mean (0 where the token or its target is padding).
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(
@@ -410,7 +416,7 @@ class Bridge:
             return out
         if return_type is None:
             return None
-        loss = lm_loss(out, tokens, mask)
+        loss = lm_loss(out, tokens, mask, per_token=loss_per_token)
         return loss if return_type == "loss" else (out, loss)
 
     __call__ = forward
@@ -473,12 +479,20 @@ class Bridge:
         max_new_tokens: int = 10,
         do_sample: bool = False,
         return_type: Literal["input", "tokens", "str"] = "input",
+        *,
+        stop_at_eos: bool = True,
+        eos_token_id: int | list[int] | None = None,
+        use_past_kv_cache: bool = True,
+        freq_penalty: float = 0.0,
+        verbose: bool = False,
         **generate_kwargs: Any,
     ) -> Any:
         """Generate with the active hooks firing at every step (they see the new tokens).
 
         Batched strings are left-padded. Returns the same kind as the input (``"input"``),
-        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``).
+        token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``). TransformerLens'
+        keywords are understood (see ``qlens.bridge.generation``); ``temperature``, ``top_k``,
+        ``top_p``, ``repetition_penalty`` and other keywords go to the HF model's ``generate``.
         """
         tokens, mask = self._prepare(input, generate_kwargs.pop("attention_mask", None), "left")
         if mask is None:
@@ -488,15 +502,28 @@ class Bridge:
         generate_kwargs.setdefault(
             "pad_token_id", pad if pad is not None else (eos if isinstance(eos, int) else 0)
         )
-        with self._attached():
-            generate = cast(Callable[..., Tensor], self.model.generate)
-            out = generate(
-                input_ids=tokens,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                **generate_kwargs,
-            )
+        hf_kwargs, progress = hf_generate_kwargs(
+            generate_kwargs,
+            max_new_tokens=max_new_tokens,
+            stop_at_eos=stop_at_eos,
+            eos_token_id=eos_token_id,
+            use_past_kv_cache=use_past_kv_cache,
+            freq_penalty=freq_penalty,
+            verbose=verbose,
+        )
+        try:
+            with self._attached():
+                generate = cast(Callable[..., Tensor], self.model.generate)
+                out = generate(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    **hf_kwargs,
+                )
+        finally:
+            if progress is not None:
+                progress.bar.close()
         self._check_fired()
         if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
             strings = self.to_string(out)
