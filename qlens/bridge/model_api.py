@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
@@ -272,7 +272,7 @@ class ModelAPI:
         self,
         single_token: str | int | Tensor,
         input: str | Int[Tensor, "*batch pos"],
-        mode: Literal["first", "last"] = "first",
+        mode: str = "first",
         prepend_bos: bool | None = None,
     ) -> int:
         """Position of ``single_token`` (a one-token string or an id) in ``input`` (a string or
