@@ -301,9 +301,11 @@ class Bridge(ModelAPI):
         return [tokenizer.decode([int(t)]) for t in tokens]
 
     def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
-        """Decode token ids: one sequence -> str, a batch -> list of str."""
+        """Decode token ids: one token or sequence -> str, a batch -> list of str."""
         tokenizer = require_tokenizer(self.tokenizer)
         tokens = torch.as_tensor(tokens)
+        if tokens.ndim == 0:
+            tokens = tokens.reshape(1)
         if tokens.ndim == 1:
             return tokenizer.decode(tokens.tolist())
         return [tokenizer.decode(row.tolist()) for row in tokens]
