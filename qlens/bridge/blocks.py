@@ -133,4 +133,3 @@ def build_mod_dict(bridge: Any, blocks: Sequence[BlockView]) -> dict[str, Any]:
     mods["unembed"] = bridge.unembed
     mods.update(bridge.hook_dict)
     return mods
-

@@ -75,7 +75,9 @@ class ModelAPI:
 
         def _input_device(self) -> torch.device: ...
         def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None) -> Tensor: ...
-        def to_str_tokens(self, input: str | Tensor, prepend_bos: bool | None = None) -> list[str]: ...
+        def to_str_tokens(
+            self, input: str | Tensor, prepend_bos: bool | None = None
+        ) -> list[str]: ...
 
     # -- module behaviour, forwarded to the wrapped model -------------------------------------
     @property
@@ -129,7 +131,7 @@ class ModelAPI:
         self.model.to(*args, **kwargs)
         return self
 
-    def cuda(self, device: int | str | torch.device | None = None) -> Any:
+    def cuda(self, device: int | torch.device | None = None) -> Any:
         self.model.cuda(device)
         return self
 

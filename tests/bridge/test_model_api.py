@@ -73,7 +73,7 @@ def test_w_pos(word_tokenizer):
         torch.testing.assert_close(bridge.W_pos, tl.W_pos, rtol=0, atol=0)
         torch.testing.assert_close(bridge.W_E_pos, tl.W_E_pos, rtol=0, atol=0)
     with pytest.raises(ValueError, match="no learned position embedding .rotary positions"):
-        Bridge(tiny_model("llama"), word_tokenizer).W_pos
+        _ = Bridge(tiny_model("llama"), word_tokenizer).W_pos
 
 
 def test_config_names_tl_code_reads(pair):
@@ -139,7 +139,7 @@ def test_blocks_expose_hook_points_modules_and_weights(word_tokenizer):
     torch.testing.assert_close(attn.W_Q, bridge.W_Q[1], rtol=0, atol=0)
     torch.testing.assert_close(bridge.blocks[0].mlp.W_gate, bridge.W_gate[0], rtol=0, atol=0)
     with pytest.raises(AttributeError, match="blocks.1.attn has no hook point, weight or module"):
-        attn.hook_nonexistent
+        _ = attn.hook_nonexistent
     assert bridge.mod_dict["blocks.1.attn"] is attn.module
     assert bridge.mod_dict["ln_final"] is bridge.ln_final
     assert bridge.mod_dict["blocks.0.hook_resid_pre"] is bridge.hook_dict["blocks.0.hook_resid_pre"]
@@ -251,7 +251,9 @@ def test_generate_stops_where_told(word_tokenizer, capsys):
     assert torch.equal(bridge.generate(tokens, max_new_tokens=4, stop_at_eos=False), free)
     bridge.generate(tokens, max_new_tokens=4, stop_at_eos=False, verbose=True)
     assert "4/4" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="freq_penalty .* is not supported; use repetition_penalty"):
+    with pytest.raises(
+        ValueError, match="freq_penalty .* is not supported; use repetition_penalty"
+    ):
         bridge.generate(tokens, freq_penalty=1.0)
     with pytest.raises(ValueError, match="stop_at_eos=False never stops"):
         bridge.generate(tokens, stop_at_eos=False, eos_token_id=2)
@@ -265,7 +267,7 @@ def test_quantized_properties_refuse_outside_dequantized(word_tokenizer):
         with pytest.raises(NotImplementedError, match=f"qlens cannot {what}"):
             getattr(quantized, name)
     with pytest.raises(NotImplementedError, match="qlens cannot read W_Q of layer 1"):
-        quantized.blocks[1].attn.W_Q
+        _ = quantized.blocks[1].attn.W_Q
     with quantized.dequantized():
         for name in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_gate", "W_out"):
             torch.testing.assert_close(
