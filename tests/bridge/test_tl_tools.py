@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from bridge_models import tiny_model
+from bridge_models import make_word_tokenizer, tiny_model
 from tl_oracle import tl_bridge
 
 from qlens import Bridge
@@ -19,21 +19,7 @@ FP32 = dict(atol=1e-5, rtol=1e-5)
 @pytest.fixture(scope="module")
 def bos_tokenizer() -> T.PreTrainedTokenizerFast:
     """A word tokenizer that adds BOS itself, so both libraries tokenize strings identically."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    words = ["<pad>", "<bos>", "<eos>", "<unk>", *"the cat sat on mat a dog ran to park".split()]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 1)]
-    )
-    return T.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
+    return make_word_tokenizer(prepend_bos=True)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
