@@ -46,8 +46,10 @@ from qlens.bridge import attention, taps
 from qlens.bridge.adapters import Adapter, get_adapter
 from qlens.bridge.cache import ActivationCache
 from qlens.bridge.config import BridgeConfig, build_config
+from qlens.bridge.generation import hf_generate_kwargs
 from qlens.bridge.layout import build_layer_sites, require_module, resolve_layers
 from qlens.bridge.loss import lm_loss
+from qlens.bridge.model_api import ModelAPI
 from qlens.bridge.names import (
     NamesFilter,
     layer_of,
@@ -74,7 +76,7 @@ class _StopForward(Exception):  # noqa: N818
         self.residual = residual
 
 
-class Bridge(HookSwitches):
+class Bridge(HookSwitches, ModelAPI):
     """Hook points, caching and generation for a supported HF causal LM."""
 
     def __init__(
@@ -141,6 +143,7 @@ class Bridge(HookSwitches):
         self._attention_fn_names = {name for names in slot_names for name in names.values()}
         self._running = False
         self._switch_state = dict.fromkeys(SWITCHED_SUFFIXES, False)
+        self._setup_model_api()
 
     def _repr_html_(self) -> str:
         from qlens.rich_repr import render_html
@@ -348,9 +351,11 @@ class Bridge(HookSwitches):
         return [tokenizer.decode([int(t)]) for t in tokens]
 
     def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
-        """Decode token ids: one sequence -> str, a batch -> list of str."""
+        """Decode token ids: one token or sequence -> str, a batch -> list of str."""
         tokenizer = require_tokenizer(self.tokenizer)
         tokens = torch.as_tensor(tokens)
+        if tokens.ndim == 0:
+            tokens = tokens.reshape(1)
         if tokens.ndim == 1:
             return tokenizer.decode(tokens.tolist())
         return [tokenizer.decode(row.tolist()) for row in tokens]
@@ -448,11 +453,14 @@ class Bridge(HookSwitches):
         stop_at_layer: int | None = None,
         prepend_bos: bool | None = None,
         padding_side: PaddingSide | None = None,
+        loss_per_token: bool = False,
     ) -> Any:
         """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
 
         With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
         Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``.
+        ``loss_per_token=True`` gives the loss of each prediction ``[batch pos-1]`` instead of the
+        mean (0 where the token or its target is padding).
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(
@@ -464,7 +472,7 @@ class Bridge(HookSwitches):
             return out
         if return_type is None:
             return None
-        loss = lm_loss(out, tokens, mask)
+        loss = lm_loss(out, tokens, mask, per_token=loss_per_token)
         return loss if return_type == "loss" else (out, loss)
 
     __call__ = forward
@@ -541,6 +549,12 @@ class Bridge(HookSwitches):
         return_type: Literal["input", "tokens", "str"] = "input",
         prepend_bos: bool | None = None,
         padding_side: PaddingSide = "left",
+        *,
+        stop_at_eos: bool = True,
+        eos_token_id: int | list[int] | None = None,
+        use_past_kv_cache: bool = True,
+        freq_penalty: float = 0.0,
+        verbose: bool = False,
         **generate_kwargs: Any,
     ) -> Any:
         """Generate with the active hooks firing at every step (they see the new tokens).
@@ -548,7 +562,9 @@ class Bridge(HookSwitches):
         Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``; batched
         strings are left-padded by default. Returns the same kind as the input (``"input"``),
         token ids ``[batch pos]`` (``"tokens"``) or strings (``"str"``); strings are decoded
-        without special tokens, so a prepended BOS does not appear in them.
+        without special tokens, so a prepended BOS does not appear in them. TransformerLens'
+        keywords are understood (see ``qlens.bridge.generation``); ``temperature``, ``top_k``,
+        ``top_p``, ``repetition_penalty`` and other keywords go to the HF model's ``generate``.
         """
         mask_arg = generate_kwargs.pop("attention_mask", None)
         tokens, mask = self._prepare(input, mask_arg, padding_side, prepend_bos)
@@ -559,15 +575,28 @@ class Bridge(HookSwitches):
         generate_kwargs.setdefault(
             "pad_token_id", pad if pad is not None else (eos if isinstance(eos, int) else 0)
         )
-        with self._attached():
-            generate = cast(Callable[..., Tensor], self.model.generate)
-            out = generate(
-                input_ids=tokens,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                **generate_kwargs,
-            )
+        hf_kwargs, progress = hf_generate_kwargs(
+            generate_kwargs,
+            max_new_tokens=max_new_tokens,
+            stop_at_eos=stop_at_eos,
+            eos_token_id=eos_token_id,
+            use_past_kv_cache=use_past_kv_cache,
+            freq_penalty=freq_penalty,
+            verbose=verbose,
+        )
+        try:
+            with self._attached():
+                generate = cast(Callable[..., Tensor], self.model.generate)
+                out = generate(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    **hf_kwargs,
+                )
+        finally:
+            if progress is not None:
+                progress.bar.close()
         self._check_fired()
         if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
             from_strings = isinstance(input, (str, list))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 from qlens.bridge.adapters.base import Adapter, NormType, PositionalType
 
@@ -22,7 +25,12 @@ _DEFAULT_ATTRS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class BridgeConfig:
-    """Architecture facts; ``n_experts``/``experts_per_token`` are 0 for dense models."""
+    """Architecture facts; ``n_experts``/``experts_per_token`` are 0 for dense models.
+
+    Also answers the names TransformerLens code reads (``n_key_value_heads``, ``d_vocab_out``,
+    ``device``, ``dtype``, ``original_architecture``...); ``device`` and ``dtype`` are read from
+    the wrapped model when asked, so they follow ``bridge.to(...)``.
+    """
 
     model_type: str
     family: str
@@ -52,6 +60,43 @@ class BridgeConfig:
     # tokenization defaults for strings, as TransformerLens' cfg names them
     default_prepend_bos: bool = True
     default_padding_side: Literal["left", "right"] = "right"
+    original_architecture: str | None = None  # the HF class, e.g. "LlamaForCausalLM"
+    tokenizer_prepends_bos: bool | None = None  # None: no tokenizer
+    attn_only: bool = False
+    use_attn_result: bool = False
+    use_split_qkv_input: bool = False
+    use_attn_in: bool = False
+    use_hook_mlp_in: bool = False
+    n_devices: int = 1
+    # (device, dtype) of the wrapped model, read when asked
+    model_placement: Callable[[], tuple[torch.device, torch.dtype]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def n_key_value_heads(self) -> int:
+        """TransformerLens' name for ``n_kv_heads``."""
+        return self.n_kv_heads
+
+    @property
+    def d_vocab_out(self) -> int:
+        """Size of the unembedding's output (the vocabulary)."""
+        return self.d_vocab
+
+    @property
+    def device(self) -> str:
+        """Where token ids go (the embedding's device), as TransformerLens' string."""
+        return str(self._placement()[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The wrapped model's floating dtype (its compute dtype when quantized)."""
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        if self.model_placement is None:
+            raise ValueError("this config is not attached to a model, so it has no device or dtype")
+        return self.model_placement()
 
 
 def _lookup(config: Any, adapter: Adapter, key: str) -> Any:
@@ -116,4 +161,5 @@ def build_config(hf_config: Any, adapter: Adapter, n_layers: int, eps: float) ->
         attention_sinks=adapter.family == "gpt_oss",
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         default_prepend_bos=adapter.default_prepend_bos,
+        original_architecture=(getattr(hf_config, "architectures", None) or [None])[0],
     )

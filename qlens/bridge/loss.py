@@ -11,11 +11,15 @@ def lm_loss(
     logits: Float[Tensor, "batch pos vocab"],
     tokens: Int[Tensor, "batch pos"],
     mask: Int[Tensor, "batch pos"] | None = None,
-) -> Float[Tensor, ""]:
-    """Mean next-token cross-entropy over positions whose target is a real token."""
+    per_token: bool = False,
+) -> Float[Tensor, "*batch_pos_minus_1"]:
+    """Mean next-token cross-entropy over positions whose target is a real token.
+
+    ``per_token=True`` returns each position's loss ``[batch pos-1]`` (0 where masked) instead.
+    """
     log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -log_probs.gather(-1, tokens[:, 1:, None].to(logits.device))[..., 0]
     if mask is None:
-        return nll.mean()
+        return nll if per_token else nll.mean()
     keep = (mask[:, 1:] * mask[:, :-1]).to(nll.dtype)
-    return (nll * keep).sum() / keep.sum()
+    return nll * keep if per_token else (nll * keep).sum() / keep.sum()

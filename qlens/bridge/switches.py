@@ -7,7 +7,9 @@ The forward is the same either way: the opt-in values are computed only while ho
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 SWITCHED_SUFFIXES: dict[str, tuple[str, ...]] = {
     "use_split_qkv_input": ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input"),
@@ -21,6 +23,7 @@ class HookSwitches:
     """The switches of one bridge; every one starts off, as in TransformerLens."""
 
     hook_names: list[str]
+    cfg: Any
     _switch_state: dict[str, bool]  # set by the bridge: every switch off
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
@@ -58,6 +61,8 @@ class HookSwitches:
                 "separate q/k/v projections), so set_" + key + " cannot take effect"
             )
         switches[key] = value
+        # TransformerLens code reads the switch from the config, as `model.cfg.use_attn_result`
+        self.cfg = dataclasses.replace(self.cfg, **{key: value})
 
     def _switched_on_names(self) -> list[str]:
         """The opt-in names whose switch is on, for ``names_filter=None``."""

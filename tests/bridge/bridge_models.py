@@ -88,3 +88,30 @@ def tiny_model(arch: str) -> torch.nn.Module:
                 torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
         _MODELS[arch] = model
     return _MODELS[arch]
+
+
+def make_word_tokenizer(prepend_bos: bool = False) -> T.PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer with <pad>=0, <bos>=1, <eos>=2; with ``prepend_bos``
+    it adds <bos> to every text itself."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = [
+        "<pad>",
+        "<bos>",
+        "<eos>",
+        "<unk>",
+        *"the cat sat on mat a dog ran to park and".split(),
+    ]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if prepend_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", 1)]
+        )
+    return T.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
