@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Mapping, Sequence
 
 import ipywidgets as widgets
+import torch
+import traitlets
 from jaxtyping import Float
 from torch import Tensor
 
 from qlens.bridge.cache import ActivationCache
 from qlens.viz import static
+from qlens.viz.arrays import float16_bytes
+from qlens.viz.browser import BrowserView, module_source
+from qlens.viz.labels import visible_token
 from qlens.viz.viewer import Viewer
 
 NEURON = "neuron"
@@ -50,12 +57,55 @@ def per_token_features(
     return features
 
 
+_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+# The group of hooks outside the blocks (embeddings, final norm).
+MODEL = "model"
+
+
+def hook_groups(names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Hook names grouped by layer (``"0"``, ``"1"``, ... and ``"model"`` for the rest) then
+    kind (the name within its block, e.g. ``attn.hook_z``), in the order given."""
+    groups: dict[str, dict[str, str]] = {}
+    for name in names:
+        match = _BLOCK.fullmatch(name)
+        layer, kind = (match.group(1), match.group(2)) if match else (MODEL, name)
+        groups.setdefault(layer, {})[kind] = name
+    return groups
+
+
+class ActivationView(BrowserView):
+    """The selected hook's ``[pos feature]`` values (float16) and each direction's projection
+    (float32 ``[direction pos]``, with an explanation where the widths differ); the selected
+    ``feature`` (0 for a neuron, else 1 + the direction's index) and ``neuron``."""
+
+    _esm = traitlets.Unicode(module_source("activations")).tag(sync=True)
+    tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    hook = traitlets.Unicode().tag(sync=True)
+    n_features = traitlets.Int(1).tag(sync=True)
+    values = traitlets.Bytes().tag(sync=True)
+    directions = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    projections = traitlets.Bytes().tag(sync=True)
+    direction_errors = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    feature = traitlets.Int(0).tag(sync=True)
+    neuron = traitlets.Int(0).tag(sync=True)
+
+
+def _width_error(direction: str, width: int, hook: str, features: int) -> str:
+    return (
+        f"direction {direction!r} has {width} entries but {hook} has {features} features per "
+        "token; pick a hook of that width"
+    )
+
+
 class ActivationHeatmap(Viewer):
     """Per-token values of one hook's neuron or of its projection on a named direction.
 
-    Selectors: ``hook`` (any per-token hook in the cache), ``feature`` ("neuron" or a direction
-    name) and ``neuron`` (index into the hook's flattened trailing dims, e.g. ``head * d_head + i``
-    for ``attn.hook_z``). ``activations`` is an ``ActivationCache`` or a dict of batched tensors.
+    Selectors: the hook, picked by ``layer`` then ``kind`` (``hook`` holds the full name),
+    ``feature`` ("neuron" or a direction name; shown only when directions are given) and
+    ``neuron`` (index into the hook's flattened trailing dims, e.g. ``head * d_head + i`` for
+    ``attn.hook_z``; disabled while a direction is shown). Neuron and direction changes redraw
+    in the browser; a new hook sends that hook's values from the kernel. ``activations`` is an
+    ``ActivationCache`` or a dict of batched tensors.
     """
 
     def __init__(
@@ -81,21 +131,89 @@ class ActivationHeatmap(Viewer):
                 f"hook {hook!r} is not a per-token activation of this cache; choose one of "
                 f"{names[:5]}{'...' if len(names) > 5 else ''}"
             )
+        self.groups = hook_groups(names)
         self.hook = widgets.Dropdown(options=names, value=hook or names[0], description="hook")
+        layer, kind = self._group_of(self.hook.value)
+        self.hook_layer = widgets.Dropdown(
+            options=list(self.groups), value=layer, description="layer"
+        )
+        self.hook_kind = widgets.Dropdown(
+            options=list(self.groups[layer]), value=kind, description="kind"
+        )
         self.feature = widgets.Dropdown(
             options=[NEURON, *self.directions], value=NEURON, description="feature"
         )
+        if not self.directions:
+            self.feature.layout.display = "none"
         self.neuron = widgets.BoundedIntText(
             value=0, min=0, max=self._width() - 1, description="neuron"
         )
+        view = ActivationView(
+            tokens=[visible_token(t) for t in self.tokens], directions=list(self.directions)
+        )
+        self._send_hook(view)
         self.hook.observe(self._on_hook_change, names="value")
-        self._finish([self.hook, self.feature, self.neuron])
+        self.hook_layer.observe(self._on_group_change, names="value")
+        self.hook_kind.observe(self._on_group_change, names="value")
+        self.feature.observe(self._on_feature_change, names="value")
+        self._finish(
+            [self.hook_layer, self.hook_kind, self.feature, self.neuron],
+            view,
+            [(self.feature, "index", "feature"), (self.neuron, "value", "neuron")],
+        )
+
+    def _group_of(self, name: str) -> tuple[str, str]:
+        match = _BLOCK.fullmatch(name)
+        return (match.group(1), match.group(2)) if match else (MODEL, name)
 
     def _width(self) -> int:
         return int(self.features[self.hook.value].shape[1])
 
+    def _send_hook(self, view: ActivationView) -> None:
+        """Send the selected hook's values and direction projections to the browser."""
+        name, values = self.hook.value, self.features[self.hook.value]
+        projections, errors = [], []
+        for direction, vector in self.directions.items():
+            if vector.numel() == values.shape[1]:
+                projections.append(values @ vector)
+                errors.append("")
+            else:
+                projections.append(torch.full((values.shape[0],), float("nan")))
+                errors.append(_width_error(direction, vector.numel(), name, values.shape[1]))
+        stacked = torch.stack(projections) if projections else torch.zeros(0)
+        with view.hold_sync():
+            view.hook = name
+            view.n_features = values.shape[1]
+            view.values = float16_bytes(values)
+            view.projections = stacked.numpy().astype("<f4").tobytes()
+            view.direction_errors = errors
+
     def _on_hook_change(self, _change: dict) -> None:
         self.neuron.max = self._width() - 1
+        layer, kind = self._group_of(self.hook.value)
+        if (self.hook_layer.value, self.hook_kind.value) != (layer, kind):
+            self.hook_layer.value = layer
+            self.hook_kind.options = list(self.groups[layer])
+            self.hook_kind.value = kind
+        self._send_hook(self.view)
+
+    def _on_group_change(self, _change: dict) -> None:
+        kinds = self.groups[self.hook_layer.value]
+        if list(self.hook_kind.options) != list(kinds):
+            current = self.hook_kind.value
+            self.hook_kind.options = list(kinds)
+            self.hook_kind.value = current if current in kinds else next(iter(kinds))
+        name = kinds.get(self.hook_kind.value)
+        if name is not None and name != self.hook.value:
+            self.hook.value = name
+
+    def _on_feature_change(self, _change: dict) -> None:
+        self.neuron.disabled = self.feature.value != NEURON
+
+    @property
+    def view(self) -> ActivationView:
+        """The drawing area (an anywidget holding the selected hook's values)."""
+        return self._browser_view  # type: ignore[return-value]
 
     @property
     def displayed(self) -> Float[Tensor, " pos"]:
@@ -106,14 +224,18 @@ class ActivationHeatmap(Viewer):
         direction = self.directions[self.feature.value]
         if direction.numel() != values.shape[1]:
             raise ValueError(
-                f"direction {self.feature.value!r} has {direction.numel()} entries but "
-                f"{self.hook.value} has {values.shape[1]} features per token; pick a hook of that width"
+                _width_error(
+                    self.feature.value, direction.numel(), self.hook.value, values.shape[1]
+                )
             )
         return values @ direction
 
     def _render_html(self) -> str:
         what = f"neuron {self.neuron.value}" if self.feature.value == NEURON else self.feature.value
-        values = self.displayed
+        try:
+            values = self.displayed
+        except ValueError as error:
+            return f"<pre>{html.escape(str(error))}</pre>"
         return static.activation_heatmap(
             values[None], self.tokens, [what], f"{self.hook.value}: {what}"
         )

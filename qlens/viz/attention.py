@@ -7,11 +7,15 @@ from collections.abc import Mapping, Sequence
 
 import ipywidgets as widgets
 import torch
+import traitlets
 from jaxtyping import Float
 from torch import Tensor
 
 from qlens.bridge.cache import ActivationCache
 from qlens.viz import static
+from qlens.viz.arrays import float16_bytes, unit_uint8_bytes
+from qlens.viz.browser import BrowserView, module_source
+from qlens.viz.labels import visible_token
 from qlens.viz.viewer import Viewer
 
 _PATTERN_NAME = re.compile(r"blocks\.(\d+)\.attn\.hook_pattern")
@@ -63,11 +67,30 @@ def stack_patterns(source: PatternSource, batch: int = 0) -> Float[Tensor, "laye
     return torch.stack(patterns)
 
 
+class AttentionView(BrowserView):
+    """Every pattern of the sequence (uint8 levels of 1/255), and for a comparison the other
+    model's patterns and the float16 difference; the selected ``layer`` and ``head``."""
+
+    _esm = traitlets.Unicode(module_source("attention")).tag(sync=True)
+    n_layers = traitlets.Int().tag(sync=True)
+    n_heads = traitlets.Int().tag(sync=True)
+    n_pos = traitlets.Int().tag(sync=True)
+    tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    patterns = traitlets.Bytes().tag(sync=True)
+    compare = traitlets.Bytes().tag(sync=True)
+    difference = traitlets.Bytes().tag(sync=True)
+    layer = traitlets.Int(0).tag(sync=True)
+    head = traitlets.Int(0).tag(sync=True)
+
+
 class AttentionExplorer(Viewer):
     """Attention patterns of one sequence with ``layer`` and ``head`` selectors.
 
     Given ``compare`` (e.g. the cache of a quantized model on the same tokens), the view shows
-    the reference, the comparison and their difference side by side.
+    the reference, the comparison and their difference side by side. In the browser it also
+    shows every head of the selected layer (click one to select it) and, on hovering a token,
+    the attention from or to it; none of this waits for the kernel.
     """
 
     def __init__(
@@ -87,6 +110,11 @@ class AttentionExplorer(Viewer):
                 f"compare patterns have shape {tuple(self.compare.shape)} but the reference has "
                 f"{tuple(self.patterns.shape)}; cache both models on the same tokens"
             )
+        if n_query != n_key:
+            raise ValueError(
+                f"patterns have {n_query} query and {n_key} key positions; the explorer shows "
+                "the square patterns of one forward over the whole sequence (no KV cache)"
+            )
         if len(tokens) != n_key:
             raise ValueError(
                 f"got {len(tokens)} token labels for patterns over {n_key} positions; pass "
@@ -96,7 +124,21 @@ class AttentionExplorer(Viewer):
         self.labels = labels
         self.layer = widgets.IntSlider(value=0, min=0, max=n_layers - 1, description="layer")
         self.head = widgets.IntSlider(value=0, min=0, max=n_heads - 1, description="head")
-        self._finish([self.layer, self.head])
+        view = AttentionView(
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_pos=n_key,
+            tokens=[visible_token(t) for t in self.tokens],
+            labels=list(labels),
+            patterns=unit_uint8_bytes(self.patterns),
+            compare=b"" if self.compare is None else unit_uint8_bytes(self.compare),
+            difference=b"" if self.compare is None else float16_bytes(self.compare - self.patterns),
+        )
+        self._finish(
+            [self.layer, self.head],
+            view,
+            [(self.layer, "value", "layer"), (self.head, "value", "head")],
+        )
 
     @property
     def displayed(self) -> dict[str, Float[Tensor, "q k"]]:

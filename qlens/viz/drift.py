@@ -12,10 +12,12 @@ from typing import Any
 
 import ipywidgets as widgets
 import torch
+import traitlets
 from jaxtyping import Float
 from torch import Tensor
 
 from qlens.viz import figures, static
+from qlens.viz.browser import BrowserView, module_source
 from qlens.viz.viewer import Viewer
 
 # Keys that may hold the layer labels, in order of preference ("layer" when given as records).
@@ -115,11 +117,35 @@ def read_drift(drift: Any) -> DriftData:
     return data_out
 
 
+class DriftView(BrowserView):
+    """Every metric of a drift result (a few numbers per layer, so plain JSON keeps their full
+    precision), the selected ``metric`` (index into ``metrics``) and ``log_scale``."""
+
+    _esm = traitlets.Unicode(module_source("drift")).tag(sync=True)
+    layer_labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    metrics = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    series = traitlets.Dict().tag(sync=True)
+    matrices = traitlets.Dict().tag(sync=True)
+    scalars = traitlets.Dict().tag(sync=True)
+    log_allowed = traitlets.List(traitlets.Bool()).tag(sync=True)
+    metric = traitlets.Int(0).tag(sync=True)
+    log_scale = traitlets.Bool(False).tag(sync=True)
+
+
+def log_scale_fits(values: Sequence[Any]) -> bool:
+    """A log scale shows a metric only when every value is positive (cosines near 1, errors
+    and KLs above 0); a metric with zeros or negatives keeps the linear scale."""
+    flat = [v for row in values for v in (row if isinstance(row, list) else [row])]
+    return all(v > 0 for v in flat)
+
+
 class DriftDashboard(Viewer):
     """Per-layer drift plots with a ``metric`` selector and a ``log_scale`` toggle.
 
     Per-layer series show as lines; per-layer-and-head matrices (``pattern_change``) as a
-    layer × head heatmap; scalars (``logit_kl``, ``top1_agreement``...) as a summary line.
+    layer × head heatmap (a sequential colour scale for non-negative values, diverging around 0
+    otherwise); scalars (``logit_kl``, ``top1_agreement``...) as a summary line. Both selectors
+    redraw in the browser; ``log_scale`` is disabled for a metric with values <= 0.
     """
 
     def __init__(self, drift: Any, *, metric: str | None = None) -> None:
@@ -131,7 +157,29 @@ class DriftDashboard(Viewer):
             options=names, value=metric or names[0], description="metric"
         )
         self.log_scale = widgets.Checkbox(value=False, description="log scale")
-        self._finish([self.metric, self.log_scale])
+        allowed = [log_scale_fits(self._values(name)) for name in names]
+        self._log_allowed = dict(zip(names, allowed, strict=True))
+        self.metric.observe(self._on_metric_change, names="value")
+        self._on_metric_change({})
+        view = DriftView(
+            layer_labels=self.data.layer_labels,
+            metrics=names,
+            series=self.data.series,
+            matrices=self.data.matrices,
+            scalars=self.data.scalars,
+            log_allowed=allowed,
+        )
+        self._finish(
+            [self.metric, self.log_scale],
+            view,
+            [(self.metric, "index", "metric"), (self.log_scale, "value", "log_scale")],
+        )
+
+    def _values(self, name: str) -> list[Any]:
+        return list(self.data.series.get(name, self.data.matrices.get(name, [])))
+
+    def _on_metric_change(self, _change: dict) -> None:
+        self.log_scale.disabled = not self._log_allowed[self.metric.value]
 
     @property
     def layer_labels(self) -> list[str]:
@@ -140,9 +188,12 @@ class DriftDashboard(Viewer):
     @property
     def displayed(self) -> Float[Tensor, "layer ..."]:
         """The selected metric: ``[layer]`` for a series, ``[layer head]`` for a matrix."""
-        name = self.metric.value
-        values = self.data.series.get(name, self.data.matrices.get(name))
-        return torch.tensor(values, dtype=torch.float64)
+        return torch.tensor(self._values(self.metric.value), dtype=torch.float64)
+
+    @property
+    def log_scale_shown(self) -> bool:
+        """Whether the plot currently uses a log scale (the toggle is on and the metric fits)."""
+        return self.log_scale.value and self._log_allowed[self.metric.value]
 
     def _summary_html(self) -> str:
         if not self.data.scalars:
@@ -153,11 +204,10 @@ class DriftDashboard(Viewer):
     def _render_html(self) -> str:
         name, values = self.metric.value, self.displayed
         if values.ndim == 1:
-            plot = static.per_layer_metric(self.layer_labels, values, name, self.log_scale.value)
+            plot = static.per_layer_metric(self.layer_labels, values, name, self.log_scale_shown)
         else:
-            heads = [str(h) for h in range(values.shape[1])]
-            figure = figures.token_heatmap_figure(
-                values, heads, self.layer_labels, f"{name} per layer (rows) and head (columns)"
+            figure = figures.layer_head_figure(
+                values, self.layer_labels, name, self.log_scale_shown
             )
             plot = static.figure_html(figure, f"{name} per layer and head")
         return plot + self._summary_html()

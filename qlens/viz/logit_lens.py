@@ -7,11 +7,14 @@ from typing import Any
 
 import ipywidgets as widgets
 import torch
+import traitlets
 from jaxtyping import Float
 from torch import Tensor
 
 from qlens.viz import static
-from qlens.viz.labels import position_labels
+from qlens.viz.arrays import float16_bytes, uint32_bytes
+from qlens.viz.browser import BrowserView, module_source
+from qlens.viz.labels import position_labels, token_text, visible_token
 from qlens.viz.viewer import Viewer
 
 MAX_TOP_K = 10
@@ -26,12 +29,41 @@ def _nested_shape_is(
     )
 
 
+def _flat(nested: list[list[list[int]]]) -> list[int]:
+    return [i for row in nested for cell in row for i in cell]
+
+
+class LogitLensView(BrowserView):
+    """Ranked probabilities (float16) and token ids (uint32 indices into ``vocab``, the distinct
+    predicted strings) of every layer and position; the selected ``position`` and ``top_k``."""
+
+    _esm = traitlets.Unicode(module_source("logit_lens")).tag(sync=True)
+    layer_labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    vocab = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    n_ranks = traitlets.Int().tag(sync=True)
+    probs = traitlets.Bytes().tag(sync=True)
+    token_ids = traitlets.Bytes().tag(sync=True)
+    position = traitlets.Int(0).tag(sync=True)
+    top_k = traitlets.Int(1).tag(sync=True)
+
+
+def vocabulary_of(
+    top_tokens: Sequence[Sequence[Sequence[str]]],
+) -> tuple[list[str], list[list[list[int]]]]:
+    """The distinct strings of ``top_tokens`` (first-seen order) and ``top_tokens`` as indices."""
+    index: dict[str, int] = {}
+    ids = [[[index.setdefault(t, len(index)) for t in cell] for cell in row] for row in top_tokens]
+    return list(index), ids
+
+
 class LogitLensTable(Viewer):
     """Top-k predictions of every layer at a selected position, plus the top-1 grid.
 
     ``probs[layer, pos, rank]`` and ``top_tokens[layer][pos][rank]`` hold the ranked predictions
     (most probable first). Selectors: ``position`` (which input token's next-token prediction)
-    and ``top_k``. :meth:`from_bridge` builds it with ``qlens.analysis.logit_lens``.
+    and ``top_k``; in the browser, clicking a grid column also selects its position.
+    :meth:`from_bridge` builds it with ``qlens.analysis.logit_lens``.
     """
 
     def __init__(
@@ -64,7 +96,20 @@ class LogitLensTable(Viewer):
             description="position",
         )
         self.top_k = widgets.IntSlider(value=top_k, min=1, max=n_ranks, description="top k")
-        self._finish([self.position, self.top_k])
+        vocab, ids = vocabulary_of(self.top_tokens)
+        view = LogitLensView(
+            layer_labels=self.layer_labels,
+            tokens=[visible_token(t) for t in self.tokens],
+            vocab=[visible_token(t) for t in vocab],
+            n_ranks=n_ranks,
+            probs=float16_bytes(self.probs),
+            token_ids=uint32_bytes(torch.tensor(ids, dtype=torch.int64).reshape(probs.shape)),
+        )
+        self._finish(
+            [self.position, self.top_k],
+            view,
+            [(self.position, "index", "position"), (self.top_k, "value", "top_k")],
+        )
 
     @classmethod
     def from_bridge(
@@ -87,11 +132,11 @@ class LogitLensTable(Viewer):
             logit_lens(bridge, cache, pos=p, k=k, dequantize=dequantize) for p in range(n_pos)
         ]
         probs = torch.stack([lens.probs for lens in lenses], dim=1)  # [layer pos rank]
-        strings = [lens.tokens_as_strings(bridge) for lens in lenses]  # [pos][layer][rank]
-        top_tokens = [[strings[p][layer] for p in range(n_pos)] for layer in range(len(probs))]
-        return cls(
-            probs, top_tokens, lenses[0].labels, bridge.to_str_tokens(tokens[0]), top_k=top_k
-        )
+        ids = torch.stack([lens.token_ids for lens in lenses], dim=1).tolist()
+        text = {i: token_text(bridge.tokenizer, i) for i in {*tokens[0].tolist(), *_flat(ids)}}
+        top_tokens = [[[text[i] for i in cell] for cell in row] for row in ids]
+        inputs = [text[int(i)] for i in tokens[0]]
+        return cls(probs, top_tokens, lenses[0].labels, inputs, top_k=top_k)
 
     @property
     def displayed(self) -> list[tuple[str, list[tuple[str, float]]]]:
@@ -114,4 +159,5 @@ class LogitLensTable(Viewer):
             self.tokens,
             self.displayed,
             f"logit lens at position {pos} ({self.tokens[pos]!r})",
+            selected=pos,
         )

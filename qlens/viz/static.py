@@ -20,7 +20,10 @@ from qlens.viz.labels import token_html
 def png_img_tag(png: bytes, alt: str) -> str:
     """An ``<img>`` tag holding ``png`` inline as base64."""
     encoded = base64.b64encode(png).decode("ascii")
-    return f'<img src="data:image/png;base64,{encoded}" alt="{html.escape(alt)}"/>'
+    return (
+        f'<img src="data:image/png;base64,{encoded}" alt="{html.escape(alt)}" '
+        'style="max-width:100%;height:auto"/>'
+    )
 
 
 def figure_html(figure: Figure, alt: str, caption: str = "") -> str:
@@ -59,7 +62,9 @@ def top_tokens_table(rows: Sequence[tuple[str, Sequence[tuple[str, float]]]], ti
         for label, cells in rows
     )
     return (
-        f"<table><caption>{html.escape(title)}</caption><tr><th>layer</th>{head}</tr>{body}</table>"
+        "<div style='max-width:100%;overflow-x:auto'>"
+        f"<table><caption>{html.escape(title)}</caption><tr><th>layer</th>{head}</tr>{body}"
+        "</table></div>"
     )
 
 
@@ -70,9 +75,11 @@ def logit_lens(
     tokens: Sequence[str],
     table_rows: Sequence[tuple[str, Sequence[tuple[str, float]]]],
     title: str,
+    selected: int | None = None,
 ) -> str:
-    """The logit-lens grid (top token per layer and position) and a top-k table for one position."""
-    grid = figures.top_token_grid_figure(probs, top_tokens, layer_labels, tokens, title)
+    """The logit-lens grid (top token per layer and position, ``selected`` outlined) and a
+    top-k table for one position."""
+    grid = figures.top_token_grid_figure(probs, top_tokens, layer_labels, tokens, title, selected)
     return figure_html(grid, f"logit lens: {title}") + top_tokens_table(table_rows, title)
 
 

@@ -1,56 +1,48 @@
-"""The base of every viewer: ipywidgets controls plus a static HTML rendering of the same view."""
+"""The base of every viewer: ipywidgets selectors linked in the browser to a drawing area, plus
+a static HTML rendering of the same view for places without a kernel."""
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import ipywidgets as widgets
 
+from qlens.viz.browser import BrowserView
+
 
 class Viewer:
-    """A widget (``self.widget``) whose selectors re-render the view when they change.
+    """Selectors (``ipywidgets``) above a :class:`BrowserView` that draws the data.
 
-    Subclasses build their selectors, call ``_finish(selectors)`` and implement ``_render_html``
-    (the current view as static HTML). In a notebook the viewer shows as the live widget;
-    frontends without widget support (exported HTML, GitHub) show the static rendering instead,
-    because both are in the display bundle. The view is drawn when first shown (or read through
-    ``view``/``widget``) and redrawn on every selector change after that, so setting several
-    selectors before display costs one drawing.
+    Subclasses build their selectors and view, then call ``_finish``. Each ``(selector, trait,
+    view_trait)`` link is a ``jslink``: moving a selector redraws in the browser with no kernel
+    round trip, and the kernel still sees the new value. ``to_html`` renders the current
+    selection as static HTML (inline PNG, no scripts); the display bundle carries it next to the
+    widget for frontends that cannot run widgets.
     """
 
-    def _finish(self, selectors: list[widgets.Widget]) -> None:
-        self._view = widgets.HTML()
-        self._widget = widgets.VBox([widgets.HBox(selectors), self._view])
-        self._live = False
-        for selector in selectors:
-            selector.observe(self._on_change, names="value")
+    def _finish(
+        self,
+        selectors: list[widgets.Widget],
+        view: BrowserView,
+        links: list[tuple[widgets.Widget, str, str]],
+    ) -> None:
+        self._browser_view = view
+        self._links = [
+            widgets.jslink((selector, trait), (view, view_trait))
+            for selector, trait, view_trait in links
+        ]
+        self._widget = widgets.VBox([widgets.HBox(selectors), view])
+        self._widget.add_class("qlens-widget")
 
     @property
-    def view(self) -> widgets.HTML:
-        """The widget holding the drawn view (drawn on first access)."""
-        if not self._live:
-            self.refresh()
-        return self._view
+    def view(self) -> BrowserView:
+        """The drawing area (an anywidget holding the viewer's data)."""
+        return self._browser_view
 
     @property
     def widget(self) -> widgets.VBox:
-        """Selectors above the view, ready to display."""
-        if not self._live:
-            self.refresh()
+        """Selectors above the drawing area, ready to display."""
         return self._widget
-
-    def _on_change(self, _change: dict[str, Any]) -> None:
-        if self._live:
-            self.refresh()
-
-    def refresh(self) -> None:
-        """Redraw the view from the current selector values."""
-        self._live = True
-        try:
-            self._view.value = self._render_html()
-        except (ValueError, KeyError) as error:
-            self._view.value = f"<pre>{html.escape(str(error))}</pre>"
 
     def _render_html(self) -> str:
         raise NotImplementedError(f"{type(self).__name__} must implement _render_html")
@@ -64,5 +56,5 @@ class Viewer:
         bundle = (
             dict(widget_bundle(include=include, exclude=exclude) or {}) if widget_bundle else {}
         )
-        bundle["text/html"] = self.view.value
+        bundle["text/html"] = self.to_html()
         return bundle

@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from links import browser_links
 from pngs import inline_pngs
 
 from qlens.quant.model_quantize import quantize
 from qlens.viz import AttentionExplorer
+from qlens.viz.arrays import decode_float16, decode_unit_uint8
 
 
 def test_layer_and_head_selectors_choose_the_displayed_pattern(tiny_run):
     _, cache, tokens = tiny_run
     explorer = AttentionExplorer(cache, tokens)
     assert torch.equal(explorer.displayed["reference"], cache["blocks.0.attn.hook_pattern"][0, 0])
-    first_view = explorer.view.value
     explorer.layer.value = 1
     explorer.head.value = 2
     assert torch.equal(explorer.displayed["reference"], cache["blocks.1.attn.hook_pattern"][0, 2])
-    assert explorer.view.value != first_view
     assert explorer.layer.max == 1 and explorer.head.max == 3
+
+
+def test_every_pattern_goes_to_the_browser_once_as_uint8(tiny_run):
+    _, cache, tokens = tiny_run
+    explorer = AttentionExplorer(cache, tokens)
+    view = explorer.view
+    assert (view.n_layers, view.n_heads, view.n_pos) == (2, 4, 7)
+    assert view.compare == b"" and view.difference == b"" and view.labels[0] == "reference"
+    assert len(view.patterns) == 2 * 4 * 7 * 7  # one byte per weight
+    sent = decode_unit_uint8(view.patterns, (2, 4, 7, 7))
+    # Levels of 1/255: rounding moves a weight by at most half a level.
+    assert np.abs(sent - explorer.patterns.numpy()).max() <= 0.5 / 255 + 1e-7
+    assert browser_links(explorer) == {
+        "layer": (explorer.layer, "value"),
+        "head": (explorer.head, "value"),
+    }
 
 
 def test_comparison_shows_both_patterns_and_their_difference(tiny_bridge, tiny_run):
@@ -36,6 +53,11 @@ def test_comparison_shows_both_patterns_and_their_difference(tiny_bridge, tiny_r
     assert torch.equal(shown["quantized"], other)
     assert torch.equal(shown["difference"], other - reference)
     assert not torch.equal(other, reference)
+    view = explorer.view
+    difference = decode_float16(view.difference, (2, 4, 7, 7))
+    expected = (explorer.compare - explorer.patterns).numpy().astype(np.float16)
+    np.testing.assert_array_equal(difference, expected.astype(np.float32))
+    assert decode_unit_uint8(view.compare, (2, 4, 7, 7)).shape == (2, 4, 7, 7)
 
 
 def test_static_fallback_is_an_inline_png_of_the_current_selection(tiny_run):
@@ -79,12 +101,18 @@ def test_bad_inputs_are_explained(tiny_run):
         AttentionExplorer(cache, tokens, compare=torch.zeros(1, 4, 7, 7))
 
 
-def test_view_is_drawn_when_first_shown_then_follows_every_change(tiny_run):
+def test_display_bundle_html_is_the_selection_at_display_time(tiny_run):
     _, cache, tokens = tiny_run
     explorer = AttentionExplorer(cache, tokens)
     explorer.layer.value = 1
-    assert explorer._view.value == ""  # nothing drawn before the view is shown
-    assert explorer.view.value == explorer.to_html()
     explorer.head.value = 3
-    assert explorer._view.value == explorer.to_html()
-    assert explorer._repr_mimebundle_()["text/html"] == explorer.to_html()
+    bundle = explorer._repr_mimebundle_()
+    assert bundle["text/html"] == explorer.to_html()
+    model_id = bundle["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert model_id == explorer.widget.model_id
+
+
+def test_non_square_patterns_are_refused(tiny_run):
+    _, _, tokens = tiny_run
+    with pytest.raises(ValueError, match="3 query and 7 key positions"):
+        AttentionExplorer(torch.zeros(1, 2, 3, 7), tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from links import browser_links
 from pngs import inline_pngs
 
 from qlens.analysis import quantization_drift
@@ -29,10 +30,10 @@ def test_metric_selector_chooses_the_displayed_series():
     dashboard = DriftDashboard(COLUMNS)
     assert list(dashboard.metric.options) == ["cosine", "relative_error", "kl"]
     assert dashboard.displayed.tolist() == COLUMNS["cosine"]
-    first = dashboard.view.value
+    first = dashboard.to_html()
     dashboard.metric.value = "kl"
     assert dashboard.displayed.tolist() == COLUMNS["kl"]
-    assert dashboard.view.value != first
+    assert dashboard.to_html() != first
     assert dashboard.layer_labels == ["0", "1", "2"]
 
 
@@ -62,9 +63,33 @@ def test_static_fallback_and_log_scale_re_render():
     dashboard = DriftDashboard(COLUMNS, metric="relative_error")
     linear = inline_pngs(dashboard.to_html())
     dashboard.log_scale.value = True
+    assert dashboard.log_scale_shown
     assert linear != inline_pngs(dashboard.to_html())
     expected = torch.tensor(COLUMNS["relative_error"], dtype=torch.float64)
     assert torch.equal(dashboard.displayed, expected)
+
+
+def test_log_scale_is_disabled_where_a_metric_has_values_at_or_below_zero():
+    dashboard = DriftDashboard(COLUMNS, metric="kl")  # kl starts at 0.0
+    assert dashboard.log_scale.disabled
+    dashboard.log_scale.value = True
+    assert not dashboard.log_scale_shown
+    dashboard.metric.value = "cosine"
+    assert not dashboard.log_scale.disabled and dashboard.log_scale_shown
+    assert dashboard.view.log_allowed == [True, True, False]
+
+
+def test_every_metric_goes_to_the_browser_once():
+    dashboard = DriftDashboard({**COLUMNS, "pattern_change": [[0.1, 0.2]] * 3, "logit_kl": 3e-5})
+    view = dashboard.view
+    assert view.metrics == ["cosine", "relative_error", "kl", "pattern_change"]
+    assert view.series == {k: COLUMNS[k] for k in ("cosine", "relative_error", "kl")}
+    assert view.matrices == {"pattern_change": [[0.1, 0.2]] * 3}
+    assert view.scalars == {"logit_kl": 3e-5}
+    assert browser_links(dashboard) == {
+        "metric": (dashboard.metric, "index"),
+        "log_scale": (dashboard.log_scale, "value"),
+    }
 
 
 def test_bad_inputs_are_explained():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from links import browser_links
 from pngs import inline_pngs
 
 from qlens.viz import LogitLensTable
+from qlens.viz.arrays import decode_float16
 
 WORDS = ["zero", "one", "two", "three", "four", "five"]
 LAYERS = ["0_pre", "1_pre", "2_pre", "final_post"]
@@ -35,14 +38,37 @@ def test_rows_are_the_top_k_of_the_selected_position():
     assert all(len(cells) == 5 for _, cells in table.displayed)
 
 
-def test_selector_change_re_renders_and_static_fallback_has_the_grid():
+def test_static_fallback_follows_the_selection_and_has_the_grid():
     table, _ = _table()
-    first = table.view.value
+    first = table.to_html()
     table.position.value = 0
-    assert table.view.value != first
     html = table.to_html()
+    assert html != first
     assert len(inline_pngs(html)) == 1
     assert "<table>" in html and "final_post" in html
+
+
+def test_the_browser_gets_probabilities_and_token_indices_once():
+    table, _ = _table()
+    view = table.view
+    assert view.layer_labels == LAYERS and view.tokens == ["x", "y", "z"] and view.n_ranks == 5
+    probs = decode_float16(view.probs, (4, 3, 5))
+    np.testing.assert_array_equal(probs, table.probs.numpy().astype(np.float16).astype(np.float32))
+    ids = np.frombuffer(view.token_ids, dtype="<u4").reshape(4, 3, 5)
+    strings = [[[view.vocab[i] for i in cell] for cell in row] for row in ids.tolist()]
+    assert strings == table.top_tokens
+    assert len(view.vocab) == len(set(view.vocab)) <= len(WORDS)
+    assert browser_links(table) == {
+        "position": (table.position, "index"),
+        "top_k": (table.top_k, "value"),
+    }
+
+
+def test_whitespace_and_byte_tokens_are_visible():
+    probs = torch.tensor([[[0.6, 0.4]]])
+    top = [[[" ", "\n"]]]
+    table = LogitLensTable(probs, top, ["0"], ["\t"], top_k=2)
+    assert table.view.vocab == ["␣", "⏎"] and table.view.tokens == ["⇥"]
 
 
 def test_from_bridge_last_layer_matches_the_model_output(tiny_bridge):

@@ -1,0 +1,155 @@
+// Shared by every qlens viewer module (prepended to each one; a module loaded from a string
+// cannot import its neighbours). Plain DOM, no dependencies, no network.
+
+const F16_TABLE = (() => {
+  const table = new Float32Array(65536);
+  for (let h = 0; h < 65536; h++) {
+    const sign = h & 0x8000 ? -1 : 1;
+    const exponent = (h >> 10) & 0x1f;
+    const mantissa = h & 0x3ff;
+    if (exponent === 0) table[h] = sign * mantissa * 2 ** -24;
+    else if (exponent === 31) table[h] = mantissa ? NaN : sign * Infinity;
+    else table[h] = sign * (1 + mantissa / 1024) * 2 ** (exponent - 15);
+  }
+  return table;
+})();
+
+function bytesOf(value) {
+  if (value instanceof DataView || ArrayBuffer.isView(value)) {
+    return new Uint8Array(value.buffer, value.byteOffset, value.byteLength);
+  }
+  if (value instanceof ArrayBuffer) return new Uint8Array(value);
+  return new Uint8Array(0);
+}
+
+function float16Array(value) {
+  const bytes = bytesOf(value);
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const out = new Float32Array(bytes.byteLength >> 1);
+  for (let i = 0; i < out.length; i++) out[i] = F16_TABLE[view.getUint16(2 * i, true)];
+  return out;
+}
+
+function float32Array(value) {
+  const bytes = bytesOf(value);
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const out = new Float32Array(bytes.byteLength >> 2);
+  for (let i = 0; i < out.length; i++) out[i] = view.getFloat32(4 * i, true);
+  return out;
+}
+
+function uint32Array(value) {
+  const bytes = bytesOf(value);
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const out = new Uint32Array(bytes.byteLength >> 2);
+  for (let i = 0; i < out.length; i++) out[i] = view.getUint32(4 * i, true);
+  return out;
+}
+
+// Colour maps: sequential (white to dark blue) for non-negative quantities, diverging
+// (blue, white, red) centred on 0 for signed ones.
+const SEQUENTIAL = [[247, 251, 255], [198, 219, 239], [107, 174, 214], [33, 113, 181], [8, 48, 107]];
+const DIVERGING = [[5, 48, 97], [67, 147, 195], [247, 247, 247], [214, 96, 77], [103, 0, 31]];
+
+function interpolate(stops, t) {
+  const x = Math.min(1, Math.max(0, Number.isFinite(t) ? t : 0)) * (stops.length - 1);
+  const i = Math.min(stops.length - 2, Math.floor(x));
+  const f = x - i;
+  return stops[i].map((c, k) => Math.round(c + f * (stops[i + 1][k] - c)));
+}
+
+function sequentialColour(t) {
+  return interpolate(SEQUENTIAL, t);
+}
+
+function divergingColour(t) {
+  return interpolate(DIVERGING, (t + 1) / 2);
+}
+
+// A scale for the given values: sequential from 0 when none is negative, else diverging.
+function scaleFor(values) {
+  let low = Infinity;
+  let high = -Infinity;
+  for (const v of values) {
+    if (Number.isFinite(v)) {
+      low = Math.min(low, v);
+      high = Math.max(high, v);
+    }
+  }
+  if (!Number.isFinite(low)) return { signed: false, bound: 1, colour: () => SEQUENTIAL[0] };
+  if (low >= 0) {
+    const bound = high || 1;
+    return { signed: false, bound, colour: (v) => sequentialColour(v / bound) };
+  }
+  const bound = Math.max(-low, high) || 1;
+  return { signed: true, bound, colour: (v) => divergingColour(v / bound) };
+}
+
+function css(rgb) {
+  return `rgb(${rgb[0]},${rgb[1]},${rgb[2]})`;
+}
+
+// Dark text on light cells, white text on dark ones (WCAG relative luminance).
+function textColour(rgb) {
+  const [r, g, b] = rgb.map((c) => {
+    const s = c / 255;
+    return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
+  });
+  return 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.18 ? "#111" : "#fff";
+}
+
+function paint(node, rgb) {
+  node.style.background = css(rgb);
+  node.style.color = textColour(rgb);
+}
+
+function make(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function formatValue(v) {
+  if (!Number.isFinite(v)) return String(v);
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e4)) return v.toExponential(2);
+  return v.toPrecision(3);
+}
+
+// A tooltip positioned inside the viewer's root (which is position: relative).
+function tooltip(root) {
+  const tip = make("div", "qlens-tip");
+  tip.hidden = true;
+  root.appendChild(tip);
+  return {
+    show(event, text) {
+      const box = root.getBoundingClientRect();
+      tip.textContent = text;
+      tip.hidden = false;
+      tip.style.left = `${event.clientX - box.left + 12}px`;
+      tip.style.top = `${event.clientY - box.top + 12}px`;
+    },
+    hide() {
+      tip.hidden = true;
+    },
+  };
+}
+
+// A colour bar: the scale's low and high ends with the quantity's name.
+function legend(scale, label) {
+  const bar = make("div", "qlens-legend");
+  const low = scale.signed ? -scale.bound : 0;
+  const ramp = make("span", "qlens-ramp");
+  const stops = scale.signed ? DIVERGING : SEQUENTIAL;
+  ramp.style.background = `linear-gradient(to right, ${stops.map(css).join(", ")})`;
+  bar.append(make("span", "", formatValue(low)), ramp, make("span", "", formatValue(scale.bound)));
+  if (label) bar.append(make("span", "qlens-legend-label", label));
+  return bar;
+}
+
+// Send a selection made in the browser back to the kernel (no re-render waits for it).
+function select(model, values) {
+  for (const [key, value] of Object.entries(values)) model.set(key, value);
+  model.save_changes();
+}
