@@ -9,7 +9,7 @@ from qlens.formatting import format_bytes as human_bytes
 from qlens.report import plots
 from qlens.report.audit import WeightAudit, WeightRow
 from qlens.report.build import ReportContext, Section
-from qlens.report.page import table
+from qlens.report.page import Bytes, table
 
 
 def weight_kind(name: str) -> str:
@@ -98,7 +98,7 @@ def _variant_html(label: str, audit: WeightAudit) -> str:
                 g["format"],
                 _bits(g["bits_per_weight"]),
                 g["readable"],
-                g["bytes"],
+                Bytes(g["bytes"]),
             ]
             for g in grouped_rows(audit.rows)
         ],
@@ -112,7 +112,7 @@ def _variant_html(label: str, audit: WeightAudit) -> str:
                 r.readable,
                 r.format,
                 _bits(r.bits_per_weight),
-                r.bytes,
+                Bytes(r.bytes),
                 r.reason or "",
             ]
             for r in audit.rows

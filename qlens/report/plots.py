@@ -73,9 +73,13 @@ def head_scores_png(grid: Mapping[str, Mapping[str, np.ndarray]]) -> bytes:
     versions = list(dict.fromkeys(v for panels in grid.values() for v in panels))
     first = next(iter(grid[kinds[0]].values())) if kinds and grid[kinds[0]] else np.zeros((1, 1))
     n_layers, n_heads = first.shape
-    width = max(2.5, 0.25 * n_heads + 1.5)
-    height = max(2.5, 0.14 * n_layers + 1.2)
-    figure = Figure(figsize=(width * max(len(versions), 1), height * max(len(kinds), 1)))
+    width = max(3.0, 0.25 * n_heads + 1.8)
+    height = max(2.8, 0.14 * n_layers + 1.4)
+    # A constrained layout keeps titles, tick labels and the colour bar from overlapping; only
+    # the outer axes carry axis labels.
+    figure = Figure(
+        figsize=(width * max(len(versions), 1), height * max(len(kinds), 1)), layout="constrained"
+    )
     axes = figure.subplots(max(len(kinds), 1), max(len(versions), 1), squeeze=False)
     image = None
     for row, kind in enumerate(kinds):
@@ -85,9 +89,13 @@ def head_scores_png(grid: Mapping[str, Mapping[str, np.ndarray]]) -> bytes:
                 grid[kind][version], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto"
             )
             ax.set_title(f"{kind}: {version}", fontsize=9)
-            ax.set_xticks(range(0, n_heads, max(1, n_heads // 8)))
-            ax.set_xlabel("head", fontsize=8)
-            ax.set_ylabel("layer", fontsize=8)
+            ax.set_xticks(range(0, n_heads, max(1, -(-n_heads // 8))))
+            ax.set_yticks(range(0, n_layers, max(1, -(-n_layers // 10))))
+            ax.tick_params(labelsize=7)
+            if row == len(kinds) - 1:
+                ax.set_xlabel("head", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("layer", fontsize=8)
     if image is not None:
         figure.colorbar(image, ax=axes.ravel().tolist(), label="score")
     return figure_png(figure)

@@ -2,6 +2,7 @@
 // Neuron and direction changes re-colour here; a new hook brings new values from the kernel.
 
 function render({ model, el }) {
+  const started = performance.now();
   const root = make("div", "qlens-viewer qlens-activations");
   const tip = tooltip(root);
   const caption = make("div", "qlens-caption");
@@ -64,6 +65,7 @@ function render({ model, el }) {
   });
   strip.addEventListener("mouseleave", () => tip.hide());
   load();
+  markLoaded(root, started);
   model.on("change:values", load);
   model.on("change:feature", draw);
   model.on("change:neuron", draw);

@@ -1,20 +1,19 @@
 // AttentionExplorer: the selected head's pattern (and the comparison and difference), a token
 // strip that shows attention from or to the hovered token, and every head of the layer.
 
-function drawPattern(canvas, n, valueAt, colourOf) {
+// Draw an n x n pattern; levelAt(i) gives the palette level (0..255) of cell i = q * n + k.
+function drawPattern(canvas, n, levelAt, colours) {
   canvas.width = n;
   canvas.height = n;
   const context = canvas.getContext("2d");
   const image = context.createImageData(n, n);
-  for (let q = 0; q < n; q++) {
-    for (let k = 0; k < n; k++) {
-      const rgb = colourOf(valueAt(q, k));
-      const at = 4 * (q * n + k);
-      image.data[at] = rgb[0];
-      image.data[at + 1] = rgb[1];
-      image.data[at + 2] = rgb[2];
-      image.data[at + 3] = 255;
-    }
+  const pixels = image.data;
+  for (let i = 0; i < n * n; i++) {
+    const c = 3 * levelAt(i);
+    pixels[4 * i] = colours[c];
+    pixels[4 * i + 1] = colours[c + 1];
+    pixels[4 * i + 2] = colours[c + 2];
+    pixels[4 * i + 3] = 255;
   }
   context.putImageData(image, 0, 0);
 }
@@ -27,6 +26,7 @@ function cellUnder(event, canvas, n) {
 }
 
 function render({ model, el }) {
+  const started = performance.now();
   const nLayers = model.get("n_layers");
   const nHeads = model.get("n_heads");
   const n = model.get("n_pos");
@@ -43,10 +43,10 @@ function render({ model, el }) {
   const caption = make("div", "qlens-caption");
   const panels = make("div", "qlens-panels");
   const tip = tooltip(root);
-  const sources = [{ label: labels[0], at: (o, i) => reference[o + i] / 255, kind: "unit" }];
+  const sources = [{ label: labels[0], at: (o, i) => reference[o + i] / 255}];
   if (other) {
-    sources.push({ label: labels[1], at: (o, i) => other[o + i] / 255, kind: "unit" });
-    sources.push({ label: "difference", at: (o, i) => difference[o + i], kind: "signed" });
+    sources.push({ label: labels[1], at: (o, i) => other[o + i] / 255});
+    sources.push({ label: "difference", at: (o, i) => difference[o + i]});
   }
   const canvases = sources.map((source) => {
     const figure = make("figure", "qlens-panel");
@@ -92,14 +92,13 @@ function render({ model, el }) {
     spans.forEach((span, j) => {
       span.classList.toggle("qlens-hovered", j === pos);
       if (pos === null) {
-        span.style.background = "";
-        span.style.color = "";
+        span.style.cssText = "";
         span.title = "";
         return;
       }
-      const value = direction === "from" ? reference[o + pos * n + j] / 255 : reference[o + j * n + pos] / 255;
-      paint(span, sequentialColour(value));
-      span.title = formatValue(value);
+      const level = direction === "from" ? reference[o + pos * n + j] : reference[o + j * n + pos];
+      span.style.cssText = SEQUENTIAL_STYLES[level];
+      span.title = formatValue(level / 255);
     });
   }
 
@@ -120,7 +119,7 @@ function render({ model, el }) {
     headsTitle.textContent = `every head of layer ${layer} (${labels[0]}); click one to select it`;
     thumbs.forEach(({ canvas }, h) => {
       const o = (layer * nHeads + h) * size;
-      drawPattern(canvas, n, (q, k) => reference[o + q * n + k] / 255, sequentialColour);
+      drawPattern(canvas, n, (i) => reference[o + i], SEQUENTIAL_PALETTE);
     });
   }
 
@@ -131,10 +130,12 @@ function render({ model, el }) {
     const o = offset();
     let bound = 0;
     if (difference) for (let i = 0; i < size; i++) bound = Math.max(bound, Math.abs(difference[o + i]));
-    sources.forEach((source, p) => {
-      const colour = source.kind === "unit" ? sequentialColour : (v) => divergingColour(v / (bound || 1));
-      drawPattern(canvases[p], n, (q, k) => source.at(o, q * n + k), colour);
-    });
+    const scale = 127.5 / (bound || 1);
+    drawPattern(canvases[0], n, (i) => reference[o + i], SEQUENTIAL_PALETTE);
+    if (other) {
+      drawPattern(canvases[1], n, (i) => other[o + i], SEQUENTIAL_PALETTE);
+      drawPattern(canvases[2], n, (i) => Math.round(127.5 + difference[o + i] * scale), DIVERGING_PALETTE);
+    }
     thumbs.forEach(({ figure }, h) => figure.classList.toggle("qlens-selected", h === head));
     root.dataset.layer = String(layer);
     root.dataset.head = String(head);
@@ -144,6 +145,7 @@ function render({ model, el }) {
   el.appendChild(root);
   drawHeads();
   drawSelected();
+  markLoaded(root, started);
   const onLayer = () => {
     drawHeads();
     drawSelected();

@@ -153,3 +153,37 @@ function select(model, values) {
   for (const [key, value] of Object.entries(values)) model.set(key, value);
   model.save_changes();
 }
+
+// Record on the root how long the first drawing took, up to the next paint (data-load-ms).
+function markLoaded(root, started) {
+  requestAnimationFrame(() =>
+    setTimeout(() => {
+      root.dataset.loadMs = (performance.now() - started).toFixed(1);
+    }, 0),
+  );
+}
+
+// Inline styles of the sequential scale at 256 levels, for cells built as HTML text.
+const SEQUENTIAL_STYLES = Array.from({ length: 256 }, (_, level) => {
+  const rgb = sequentialColour(level / 255);
+  return `background:${css(rgb)};color:${textColour(rgb)}`;
+});
+
+function sequentialStyle(t) {
+  return SEQUENTIAL_STYLES[Math.round(Math.min(1, Math.max(0, t || 0)) * 255)];
+}
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, (ch) => ESCAPES[ch]);
+}
+
+// RGB triples of the sequential and diverging scales at 256 levels, for per-pixel drawing.
+function palette(colourOf) {
+  const table = new Uint8Array(256 * 3);
+  for (let level = 0; level < 256; level++) table.set(colourOf(level / 255), 3 * level);
+  return table;
+}
+const SEQUENTIAL_PALETTE = palette(sequentialColour);
+const DIVERGING_PALETTE = palette((t) => divergingColour(2 * t - 1));

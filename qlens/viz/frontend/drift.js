@@ -110,6 +110,7 @@ function matrixTable(labels, rows, name, log, tip) {
 }
 
 function render({ model, el }) {
+  const started = performance.now();
   const root = make("div", "qlens-viewer qlens-drift");
   const tip = tooltip(root);
   const caption = make("div", "qlens-caption");
@@ -140,6 +141,7 @@ function render({ model, el }) {
   }
 
   draw();
+  markLoaded(root, started);
   model.on("change:metric", draw);
   model.on("change:log_scale", draw);
   return () => {

@@ -2,6 +2,7 @@
 // the top-k table of the selected position. Position clicks and top-k changes stay here.
 
 function render({ model, el }) {
+  const started = performance.now();
   const layers = model.get("layer_labels");
   const tokens = model.get("tokens");
   const vocab = model.get("vocab");
@@ -15,34 +16,20 @@ function render({ model, el }) {
   const tip = tooltip(root);
   const scroll = make("div", "qlens-scroll");
   const grid = make("table", "qlens-grid");
-  const headRow = make("tr");
-  headRow.appendChild(make("th", "qlens-corner", "layer \\ position"));
-  const columns = tokens.map(() => []);
-  tokens.forEach((token, pos) => {
-    const th = make("th", "qlens-pos", `${pos}\n${token}`);
-    th.addEventListener("click", () => select(model, { position: pos }));
-    headRow.appendChild(th);
-    columns[pos].push(th);
-  });
-  const thead = make("thead");
-  thead.appendChild(headRow);
-  const tbody = make("tbody");
-  layers.forEach((label, layer) => {
-    const row = make("tr");
-    row.appendChild(make("th", "qlens-layer", label));
+  // Thousands of cells: built as one HTML string, coloured from a table of 256 styles.
+  const head = tokens.map((token, pos) => `<th class="qlens-pos" data-pos="${pos}">${pos}\n${escapeHtml(token)}</th>`);
+  const body = layers.map((label, layer) => {
+    const cells = [];
     for (let pos = 0; pos < nPos; pos++) {
-      const p = probs[at(layer, pos, 0)];
-      const cell = make("td", "qlens-cell", vocab[ids[at(layer, pos, 0)]]);
-      paint(cell, sequentialColour(p));
-      cell.dataset.pos = String(pos);
-      columns[pos].push(cell);
-      row.appendChild(cell);
+      const style = sequentialStyle(probs[at(layer, pos, 0)]);
+      cells.push(`<td class="qlens-cell" data-pos="${pos}" style="${style}">${escapeHtml(vocab[ids[at(layer, pos, 0)]])}</td>`);
     }
-    tbody.appendChild(row);
+    return `<tr><th class="qlens-layer">${escapeHtml(label)}</th>${cells.join("")}</tr>`;
   });
-  grid.append(thead, tbody);
+  grid.innerHTML = `<thead><tr><th class="qlens-corner">layer \\ position</th>${head.join("")}</tr></thead><tbody>${body.join("")}</tbody>`;
+  const columns = tokens.map((_, pos) => Array.from(grid.rows, (row) => row.cells[pos + 1]));
   grid.addEventListener("click", (event) => {
-    const cell = event.target.closest("td.qlens-cell");
+    const cell = event.target.closest("td.qlens-cell, th.qlens-pos");
     if (cell) select(model, { position: Number(cell.dataset.pos) });
   });
   grid.addEventListener("mouseover", (event) => {
@@ -73,33 +60,30 @@ function render({ model, el }) {
     if (marked >= 0) for (const node of columns[marked]) node.classList.remove("qlens-selected");
     for (const node of columns[pos]) node.classList.add("qlens-selected");
     marked = pos;
-    const header = columns[pos][0];
-    const left = header.offsetLeft - scroll.clientWidth / 2;
-    if (header.offsetLeft < scroll.scrollLeft || header.offsetLeft + header.offsetWidth > scroll.scrollLeft + scroll.clientWidth) {
-      scroll.scrollLeft = Math.max(0, left);
-    }
     root.dataset.position = String(pos);
+    // Scroll the selected column into view once the grid is laid out.
+    requestAnimationFrame(() => {
+      const header = columns[pos][0];
+      const visible = header.offsetLeft >= scroll.scrollLeft && header.offsetLeft + header.offsetWidth <= scroll.scrollLeft + scroll.clientWidth;
+      if (!visible) scroll.scrollLeft = Math.max(0, header.offsetLeft - scroll.clientWidth / 2);
+    });
   }
 
   function drawTable() {
     const pos = model.get("position");
     const k = model.get("top_k");
     caption.textContent = `top ${k} predictions after position ${pos} (${tokens[pos]})`;
-    const rows = [make("tr")];
-    rows[0].appendChild(make("th", "", "layer"));
-    for (let r = 0; r < k; r++) rows[0].appendChild(make("th", "", `#${r + 1}`));
-    layers.forEach((label, layer) => {
-      const row = make("tr");
-      row.appendChild(make("th", "qlens-layer", label));
+    const ranks = Array.from({ length: k }, (_, r) => `<th>#${r + 1}</th>`).join("");
+    const rows = layers.map((label, layer) => {
+      const cells = [];
       for (let r = 0; r < k; r++) {
         const p = probs[at(layer, pos, r)];
-        const cell = make("td", "qlens-cell", `${vocab[ids[at(layer, pos, r)]]} ${p.toFixed(2)}`);
-        paint(cell, sequentialColour(p));
-        row.appendChild(cell);
+        const text = `${escapeHtml(vocab[ids[at(layer, pos, r)]])} ${p.toFixed(2)}`;
+        cells.push(`<td class="qlens-cell" style="${sequentialStyle(p)}">${text}</td>`);
       }
-      rows.push(row);
+      return `<tr><th class="qlens-layer">${escapeHtml(label)}</th>${cells.join("")}</tr>`;
     });
-    topk.replaceChildren(...rows);
+    topk.innerHTML = `<tr><th>layer</th>${ranks}</tr>${rows.join("")}`;
     root.dataset.topK = String(k);
   }
 
@@ -109,6 +93,7 @@ function render({ model, el }) {
   };
   markPosition();
   drawTable();
+  markLoaded(root, started);
   model.on("change:position", onPosition);
   model.on("change:top_k", drawTable);
   return () => {

@@ -1,0 +1,450 @@
+"""Every viewer in JupyterLab with Chromium: it renders as a widget, reacts in the browser
+within the time targets, shows its saved state when reopened without a kernel, and nothing
+leaves 127.0.0.1. The report page fits 1280 and 800 px windows.
+
+One JupyterLab server and one notebook (docs/viewers.md's cells) serve the whole module.
+Screenshots go to the directory printed at the start (``QLENS_ARTIFACTS`` to choose it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import nbformat
+import pytest
+from lab_server import jupyterlab
+from viewer_notebook import write_notebook
+
+pytestmark = pytest.mark.browser
+
+# Targets on a 2-core machine: input to the next paint, and a viewer's first drawing.
+INTERACTION_MS = 100.0
+LOAD_MS = 1000.0
+VIEWERS = {
+    "attention": ".qlens-attention",
+    "logit_lens": ".qlens-lens",
+    "activations": ".qlens-activations",
+    "drift": ".qlens-drift",
+}
+BROKEN_TEXT = ("Loading widget", "Error displaying widget", "object at 0x", "model not found")
+RUN_CELLS_TIMEOUT_MS = 240_000
+SAVE_TIMEOUT_S = 180
+# Every measured time (ms), checked against the targets by the last test.
+TIMINGS: dict[str, float] = {}
+LOADS: dict[str, float] = {}
+KERNEL_DIALOG_MS = 15_000
+
+# In-page timing: run an input, then resolve after the next paint.
+TIME_TO_PAINT = """async (action) => {
+  const started = performance.now();
+  (new Function(action))();
+  await new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
+  return performance.now() - started;
+}"""
+
+
+class Offsite:
+    """Every request the page makes to a host other than 127.0.0.1 (each one is aborted)."""
+
+    def __init__(self, page) -> None:
+        self.urls: list[str] = []
+        page.route("**/*", self._route)
+        page.on("websocket", lambda socket: self._check(socket.url))
+
+    def _check(self, url: str) -> bool:
+        host = urlparse(url).hostname
+        if url.startswith(("data:", "blob:", "file:")) or host == "127.0.0.1":
+            return True
+        self.urls.append(url)
+        return False
+
+    def _route(self, route) -> None:
+        if self._check(route.request.url):
+            route.continue_()
+        else:
+            route.abort()
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu"]
+        )
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab") / "root"
+    root.mkdir()
+    write_notebook(root / "viewers.ipynb")
+    with jupyterlab(root) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def live(browser, server, artifacts):
+    """The notebook open in JupyterLab with every cell run and every viewer drawn."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    offsite = Offsite(page)
+    page.goto(server.page_url("viewers.ipynb"))
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+    _answer_kernel_dialog(page, "Select")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    try:
+        for selector in VIEWERS.values():
+            page.wait_for_selector(selector, timeout=RUN_CELLS_TIMEOUT_MS)
+    finally:
+        page.screenshot(path=artifacts / "notebook_after_run.png", full_page=True)
+    for selector in VIEWERS.values():
+        page.wait_for_selector(f"{selector}[data-load-ms]")
+    yield page, offsite
+    page.close()
+
+
+def _answer_kernel_dialog(page, button: str) -> None:
+    """Answer JupyterLab's "Select Kernel" dialog, when it asks, with ``button`` ("Select"
+    starts the notebook's kernel, "No Kernel" opens it without one)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+    try:
+        dialog.wait_for(timeout=KERNEL_DIALOG_MS)
+    except PlaywrightTimeout:
+        return  # JupyterLab did not ask
+    dialog.get_by_role("button", name=button, exact=True).click()
+    dialog.wait_for(state="detached")
+
+
+def _output(page, kind: str):
+    return page.locator(".jp-OutputArea-output", has=page.locator(VIEWERS[kind])).first
+
+
+def _shot(page, kind: str, artifacts: Path, name: str | None = None) -> None:
+    _output(page, kind).screenshot(path=artifacts / f"{name or kind}.png")
+
+
+def _wait_paint_after_key(page, target, key: str, attribute: str, expected: str) -> float:
+    """Press ``key`` on ``target``; the time from the keydown to the paint after the viewer's
+    ``attribute`` becomes ``expected`` (measured in the page)."""
+    return _time_input(page, lambda: target.press(key), "keydown", attribute, expected)
+
+
+def _time_input(page, act, event: str, attribute: str, expected: str) -> float:
+    """Run ``act``; the time from its ``event`` (seen first, capturing) to the paint after an
+    element's ``attribute`` becomes ``expected`` (measured in the page)."""
+    page.evaluate(
+        """([event, attribute, expected]) => {
+          window.qlensKeyTime = new Promise((resolve) => {
+            let started = null;
+            const onKey = () => { started = performance.now(); };
+            document.addEventListener(event, onKey, { capture: true, once: true });
+            const check = () => {
+              const node = document.querySelector(`[${attribute}="${expected}"]`);
+              if (node && started !== null) {
+                requestAnimationFrame(() => setTimeout(() => resolve(performance.now() - started), 0));
+              } else {
+                requestAnimationFrame(check);
+              }
+            };
+            check();
+          });
+        }""",
+        [event, attribute, expected],
+    )
+    act()
+    return float(page.evaluate("() => window.qlensKeyTime"))
+
+
+def test_every_viewer_renders_as_a_widget(live, artifacts):
+    page, offsite = live
+    text = page.locator(".jp-NotebookPanel").inner_text()
+    for broken in BROKEN_TEXT:
+        assert broken not in text
+    loads = {}
+    for kind, selector in VIEWERS.items():
+        node = page.locator(selector)
+        assert node.count() == 1
+        loads[kind] = float(node.get_attribute("data-load-ms"))
+        box = node.bounding_box()
+        output_box = _output(page, kind).bounding_box()
+        assert box["width"] <= output_box["width"] + 1, f"{kind} is wider than its output"
+        _shot(page, kind, artifacts)
+    print(f"\nviewer load (ms, first drawing to paint): {json.dumps(loads)}")
+    LOADS.update(loads)
+    assert offsite.urls == []
+
+
+def test_attention_explorer_reacts_in_the_browser(live, artifacts):
+    page, _ = live
+    root = page.locator(".qlens-attention")
+    assert root.get_attribute("data-head") == "0"
+    # A click on head 2's thumbnail selects it; the head slider follows through the jslink.
+    thumb_ms = page.evaluate(
+        TIME_TO_PAINT, "document.querySelectorAll('.qlens-attention .qlens-thumb')[2].click()"
+    )
+    assert root.get_attribute("data-head") == "2"
+    sliders = _output(page, "attention").locator(".widget-slider")
+    assert sliders.nth(1).locator(".widget-readout").inner_text().strip() == "2"
+    hover_ms = page.evaluate(
+        TIME_TO_PAINT,
+        "document.querySelectorAll('.qlens-attention .qlens-token')[100]"
+        ".dispatchEvent(new MouseEvent('mouseenter'))",
+    )
+    hovered = page.locator(".qlens-attention .qlens-token.qlens-hovered")
+    assert hovered.count() == 1
+    coloured = page.locator(".qlens-attention .qlens-token[title]").count()
+    assert coloured == 128  # every token shows its attention from the hovered one
+    _shot(page, "attention", artifacts, "attention_explorer")
+    handle = sliders.nth(0).locator(".noUi-handle")
+    slider_ms = _wait_paint_after_key(page, handle, "ArrowRight", "data-layer", "1")
+    TIMINGS.update(
+        {
+            "attention head click": thumb_ms,
+            "attention token hover": hover_ms,
+            "attention layer slider": slider_ms,
+        }
+    )
+
+
+def test_logit_lens_reacts_in_the_browser(live, artifacts):
+    page, _ = live
+    root = page.locator(".qlens-lens")
+    assert root.get_attribute("data-position") == "127"
+    scroll = page.locator(".qlens-lens .qlens-scroll").first
+    assert scroll.evaluate("(node) => node.scrollWidth > node.clientWidth")  # 128 columns scroll
+    click_ms = page.evaluate(
+        TIME_TO_PAINT,
+        "document.querySelectorAll('.qlens-lens .qlens-grid tbody tr')[3]"
+        ".querySelectorAll('td')[40].click()",
+    )
+    assert root.get_attribute("data-position") == "40"
+    marked = page.locator(".qlens-lens .qlens-grid .qlens-selected")
+    assert marked.count() == 1 + 31  # the header and one cell per layer (30 blocks + final)
+    rows_before = page.locator(".qlens-lens .qlens-topk tr").first.locator("th").count()
+    slider = _output(page, "logit_lens").locator(".widget-slider .noUi-handle")
+    top_k_ms = _wait_paint_after_key(page, slider, "ArrowLeft", "data-top-k", "4")
+    rows_after = page.locator(".qlens-lens .qlens-topk tr").first.locator("th").count()
+    assert (rows_before, rows_after) == (1 + 5, 1 + 4)
+    _shot(page, "logit_lens", artifacts)
+    TIMINGS.update({"logit lens position click": click_ms, "logit lens top-k slider": top_k_ms})
+
+
+def test_activation_heatmap_reacts_in_the_browser(live, artifacts):
+    page, _ = live
+    root = page.locator(".qlens-activations")
+    assert root.get_attribute("data-shown") == "neuron 0"
+    before = page.locator(".qlens-activations .qlens-token").first.evaluate(
+        "(node) => node.style.background"
+    )
+    box = _output(page, "activations").locator(".widget-inline-hbox input[type='number']").first
+    neuron_ms = _wait_paint_after_key(page, box, "ArrowUp", "data-shown", "neuron 1")
+    after = page.locator(".qlens-activations .qlens-token").first.evaluate(
+        "(node) => node.style.background"
+    )
+    assert before != after
+    hover_ms = page.evaluate(
+        TIME_TO_PAINT,
+        "document.querySelectorAll('.qlens-activations .qlens-token')[5]"
+        ".dispatchEvent(new MouseEvent('mouseover', {bubbles: true}))",
+    )
+    tip = page.locator(".qlens-activations .qlens-tip")
+    assert tip.is_visible() and tip.inner_text().startswith("5 ")
+    _shot(page, "activations", artifacts, "activation_heatmap")
+    TIMINGS.update({"activations neuron box": neuron_ms, "activations token hover": hover_ms})
+
+
+def test_drift_dashboard_reacts_in_the_browser(live, artifacts):
+    page, _ = live
+    root = page.locator(".qlens-drift")
+    assert root.get_attribute("data-metric") == "pattern_change"
+    assert page.locator(".qlens-drift .qlens-matrix td").count() == 30 * 4
+    headers = page.locator(".qlens-drift .qlens-matrix th")
+    assert headers.first.inner_text() == "layer \\ head"
+    _shot(page, "drift", artifacts, "drift_dashboard")
+    checkbox = _output(page, "drift").locator("input[type='checkbox']")
+    log_ms = _time_input(page, checkbox.click, "click", "data-log", "true")
+    TIMINGS.update({"drift log scale": log_ms})
+
+
+def _saved_notebook(live, server) -> Path:
+    """Save the live notebook (JupyterLab writes the widget state into it) and return it."""
+    page, _ = live
+    saved = server.root / "viewers.ipynb"
+    if "application/vnd.jupyter.widget-state+json" not in saved.read_text():
+        page.get_by_role("menuitem", name="File", exact=True).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save( Notebook)?$")).first.click()
+    deadline = time.monotonic() + SAVE_TIMEOUT_S
+    while "application/vnd.jupyter.widget-state+json" not in saved.read_text():
+        assert time.monotonic() < deadline, "the notebook was not saved with its widget state"
+        time.sleep(0.5)
+    return saved
+
+
+def _open_without_kernel(browser, server, name: str, artifacts: Path):
+    """Open ``name`` in a new page, declining a kernel (its kernelspec names none that exists)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    offsite = Offsite(page)
+    page.goto(server.page_url(name))
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+    _answer_kernel_dialog(page, "No Kernel")
+    return page, offsite
+
+
+def _copy_without_kernel(saved: Path, target: Path) -> None:
+    notebook = nbformat.read(saved, as_version=4)
+    notebook.metadata["kernelspec"] = {"name": "qlens-absent", "display_name": "none"}
+    nbformat.write(notebook, target)
+
+
+def test_reopened_without_a_kernel_the_saved_viewers_show(live, server, browser, artifacts):
+    saved = _saved_notebook(live, server)
+    _copy_without_kernel(saved, server.root / "reopened.ipynb")
+    # The user's own notebook is trusted (JupyterLab signs what it saves; so does this).
+    subprocess.run(
+        [sys.executable, "-m", "jupyter", "trust", str(server.root / "reopened.ipynb")],
+        check=True,
+        capture_output=True,
+        env=server.env,
+    )
+    page, offsite = _open_without_kernel(browser, server, "reopened.ipynb", artifacts)
+    try:
+        for selector in VIEWERS.values():
+            page.wait_for_selector(selector, timeout=60_000)
+    finally:
+        page.screenshot(path=artifacts / "reopened.png", full_page=True)
+    text = page.locator(".jp-NotebookPanel").inner_text()
+    for broken in BROKEN_TEXT:
+        assert broken not in text
+    # The saved selections (head 2, position 40) are what shows.
+    assert page.locator(".qlens-attention").get_attribute("data-head") == "2"
+    assert page.locator(".qlens-lens").get_attribute("data-position") == "40"
+    assert offsite.urls == []
+    page.close()
+
+
+def test_reopened_untrusted_the_static_views_show(live, server, browser, artifacts):
+    saved = _saved_notebook(live, server)
+    _copy_without_kernel(saved, server.root / "untrusted.ipynb")
+    page, offsite = _open_without_kernel(browser, server, "untrusted.ipynb", artifacts)
+    images = page.locator(".jp-OutputArea-output img[src^='data:image/png']")
+    try:
+        images.nth(3).wait_for(timeout=60_000)
+    finally:
+        page.screenshot(path=artifacts / "reopened_untrusted.png", full_page=True)
+    assert images.count() == 4  # one static view per viewer
+    assert all(images.nth(i).evaluate("(img) => img.naturalWidth > 0") for i in range(4))
+    text = page.locator(".jp-NotebookPanel").inner_text()
+    for broken in BROKEN_TEXT:
+        assert broken not in text
+    assert offsite.urls == []
+    page.close()
+
+
+def test_html_export_shows_the_static_views_offline(live, server, browser, tmp_path):
+    saved = _saved_notebook(live, server)
+    out = tmp_path / "export"
+    command = [sys.executable, "-m", "nbconvert", "--to", "html", "--output-dir", str(out)]
+    cleared = [*command, "--ClearMetadataPreprocessor.enabled=True", str(saved)]
+    subprocess.run(cleared, check=True, capture_output=True, timeout=300)
+    exported = (out / "viewers.html").read_text()
+    for widget_library in ("@jupyter-widgets/html-manager", "embed-amd", "unpkg.com"):
+        assert widget_library not in exported
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    Offsite(page)  # offline: nbconvert's own require.js link from a CDN is aborted
+    page.goto((out / "viewers.html").as_uri())
+    images = page.locator("img[src^='data:image/png']")
+    assert images.count() == 4  # one static view per viewer, drawn without the network
+    assert all(images.nth(i).evaluate("(img) => img.naturalWidth > 0") for i in range(4))
+    page.close()
+
+
+def _report(directory: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from qlens.cli import main
+
+    vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model_dir = directory / "model"
+    LlamaForCausalLM(config).eval().save_pretrained(model_dir)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(model_dir)
+    out = directory / "report"
+    args = ["report", str(model_dir), "--prompt", "w1 w2 w3 w4 w1 w2", "--no-progress"]
+    assert main([*args, "--out", str(out)]) == 0
+    return out / "report.html"
+
+
+@pytest.mark.parametrize("width", [1280, 800])
+def test_report_fits_the_window(browser, tmp_path, artifacts, width):
+    report = _report(tmp_path)
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    offsite = Offsite(page)
+    page.goto(report.as_uri())
+    overflow = page.evaluate(
+        """() => {
+          const page = document.scrollingElement;
+          const wide = [];
+          if (page.scrollWidth > page.clientWidth) wide.push(`page ${page.scrollWidth}`);
+          for (const table of document.querySelectorAll("table")) {
+            const box = table.getBoundingClientRect();
+            const scroller = table.closest(".qlens-table-scroll");
+            if (!scroller && box.right > page.clientWidth + 1) wide.push(`table ${box.right}`);
+            if (scroller && scroller.getBoundingClientRect().right > page.clientWidth + 1) {
+              wide.push(`scroller ${scroller.getBoundingClientRect().right}`);
+            }
+          }
+          for (const cell of document.querySelectorAll("td, th")) {
+            if (cell.getBoundingClientRect().width < 80 && cell.innerText.length > 40) {
+              wide.push(`squeezed cell ${cell.getBoundingClientRect().width}: ${cell.innerText.slice(0, 30)}`);
+            }
+          }
+          return wide;
+        }"""
+    )
+    page.screenshot(path=artifacts / f"report_{width}.png", full_page=True)
+    assert overflow == []
+    assert offsite.urls == []
+    page.close()
+
+
+def test_interaction_and_load_times_meet_the_targets(live):
+    """Hover, click and slider <= 100 ms to the next paint; a viewer's first drawing <= 1 s
+    (30 layers, 128 tokens). The targets are for a 2-core machine running nothing else: on a
+    machine whose load average exceeds its cores the times are printed, not judged."""
+    expected = {"attention", "logit_lens", "activations", "drift"}
+    if set(LOADS) != expected or len(TIMINGS) < 8:
+        pytest.skip("the per-viewer browser tests did not all run")
+    report = {"load_ms": LOADS, "interaction_ms": TIMINGS, "load_average": os.getloadavg()}
+    print(f"\nbrowser timings: {json.dumps(report, indent=1)}")
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        pytest.skip(f"load average {os.getloadavg()[0]:.1f} exceeds {cores} cores: {report}")
+    assert max(LOADS.values()) <= LOAD_MS, LOADS
+    assert max(TIMINGS.values()) <= INTERACTION_MS, TIMINGS
