@@ -2,6 +2,18 @@
 # Create .venv with qlens and everything its tests, oracles and default model need (CPU torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The browser tests drive Debian's Chromium through Playwright (never `playwright install`: it
+# downloads browsers). Installed when missing and running as root; otherwise those tests skip.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; }) \
+      || echo "setup: could not install chromium; the browser tests will skip"
+  else
+    echo "setup: chromium is missing (install it as root: apt-get install chromium); the browser tests will skip"
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

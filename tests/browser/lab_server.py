@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +55,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def jupyterlab(root: Path, timeout: float = 120.0) -> Iterator[Server]:
-    """Run ``jupyter lab`` on ``root`` until the block ends; kernels import this checkout."""
+def jupyterlab(root: Path, timeout: float = 120.0, extra: Sequence[str] = ()) -> Iterator[Server]:
+    """Run ``jupyter lab`` on ``root`` (``extra``: more options) until the block ends; kernels
+    import this checkout."""
     settings = root.parent / "lab-settings"
     for name, values in SETTINGS.items():
         path = settings / name
@@ -83,6 +84,7 @@ def jupyterlab(root: Path, timeout: float = 120.0) -> Iterator[Server]:
         f"--LabApp.workspaces_dir={root.parent / 'lab-workspaces'}",
         "--LabApp.extension_manager=readonly",
     ]
+    command.extend(extra)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")
     log = (root.parent / "jupyterlab.log").open("w")

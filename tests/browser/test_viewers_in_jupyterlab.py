@@ -280,22 +280,38 @@ def test_drift_dashboard_reacts_in_the_browser(live, artifacts):
     TIMINGS.update({"drift log scale": log_ms})
 
 
+_SAVED: list[Path] = []
+
+
 def _saved_notebook(live, server) -> Path:
-    """Save the live notebook (JupyterLab writes the widget state into it) and return it."""
+    """Save the live notebook once, after the interactions (JupyterLab writes the widget state,
+    with every selection made, into it) and return it."""
+    if _SAVED:
+        return _SAVED[0]
     page, _ = live
     saved = server.root / "viewers.ipynb"
-    if "application/vnd.jupyter.widget-state+json" not in saved.read_text():
-        page.get_by_role("menuitem", name="File", exact=True).click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save( Notebook)?$")).first.click()
+    before = saved.stat().st_mtime_ns
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save( Notebook)?$")).first.click()
     deadline = time.monotonic() + SAVE_TIMEOUT_S
-    while "application/vnd.jupyter.widget-state+json" not in saved.read_text():
+    while saved.stat().st_mtime_ns == before or "widget-state+json" not in saved.read_text():
         assert time.monotonic() < deadline, "the notebook was not saved with its widget state"
         time.sleep(0.5)
+    _SAVED.append(saved)
     return saved
 
 
-def _open_without_kernel(browser, server, name: str, artifacts: Path):
-    """Open ``name`` in a new page, declining a kernel (its kernelspec names none that exists)."""
+@pytest.fixture(scope="module")
+def kernelless(tmp_path_factory):
+    """A second JupyterLab that has no kernel to start: notebooks open as saved."""
+    root = tmp_path_factory.mktemp("lab-no-kernel") / "root"
+    root.mkdir()
+    with jupyterlab(root, extra=["--KernelSpecManager.allowed_kernelspecs=qlens-none"]) as running:
+        yield running
+
+
+def _open_without_kernel(browser, server, name: str):
+    """Open ``name`` in a new page of the kernel-less server."""
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     offsite = Offsite(page)
     page.goto(server.page_url(name))
@@ -306,21 +322,23 @@ def _open_without_kernel(browser, server, name: str, artifacts: Path):
 
 def _copy_without_kernel(saved: Path, target: Path) -> None:
     notebook = nbformat.read(saved, as_version=4)
-    notebook.metadata["kernelspec"] = {"name": "qlens-absent", "display_name": "none"}
+    notebook.metadata.pop("kernelspec", None)
     nbformat.write(notebook, target)
 
 
-def test_reopened_without_a_kernel_the_saved_viewers_show(live, server, browser, artifacts):
+def test_reopened_without_a_kernel_the_saved_viewers_show(
+    live, server, kernelless, browser, artifacts
+):
     saved = _saved_notebook(live, server)
-    _copy_without_kernel(saved, server.root / "reopened.ipynb")
+    _copy_without_kernel(saved, kernelless.root / "reopened.ipynb")
     # The user's own notebook is trusted (JupyterLab signs what it saves; so does this).
     subprocess.run(
-        [sys.executable, "-m", "jupyter", "trust", str(server.root / "reopened.ipynb")],
+        [sys.executable, "-m", "jupyter", "trust", str(kernelless.root / "reopened.ipynb")],
         check=True,
         capture_output=True,
-        env=server.env,
+        env=kernelless.env,
     )
-    page, offsite = _open_without_kernel(browser, server, "reopened.ipynb", artifacts)
+    page, offsite = _open_without_kernel(browser, kernelless, "reopened.ipynb")
     try:
         for selector in VIEWERS.values():
             page.wait_for_selector(selector, timeout=60_000)
@@ -329,6 +347,7 @@ def test_reopened_without_a_kernel_the_saved_viewers_show(live, server, browser,
     text = page.locator(".jp-NotebookPanel").inner_text()
     for broken in BROKEN_TEXT:
         assert broken not in text
+    assert "No Kernel" in page.locator(".jp-NotebookPanel-toolbar").inner_text()
     # The saved selections (head 2, position 40) are what shows.
     assert page.locator(".qlens-attention").get_attribute("data-head") == "2"
     assert page.locator(".qlens-lens").get_attribute("data-position") == "40"
@@ -336,10 +355,10 @@ def test_reopened_without_a_kernel_the_saved_viewers_show(live, server, browser,
     page.close()
 
 
-def test_reopened_untrusted_the_static_views_show(live, server, browser, artifacts):
+def test_reopened_untrusted_the_static_views_show(live, server, kernelless, browser, artifacts):
     saved = _saved_notebook(live, server)
-    _copy_without_kernel(saved, server.root / "untrusted.ipynb")
-    page, offsite = _open_without_kernel(browser, server, "untrusted.ipynb", artifacts)
+    _copy_without_kernel(saved, kernelless.root / "untrusted.ipynb")
+    page, offsite = _open_without_kernel(browser, kernelless, "untrusted.ipynb")
     images = page.locator(".jp-OutputArea-output img[src^='data:image/png']")
     try:
         images.nth(3).wait_for(timeout=60_000)
