@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -291,11 +290,14 @@ def _saved_notebook(live, server) -> Path:
     page, _ = live
     saved = server.root / "viewers.ipynb"
     before = saved.stat().st_mtime_ns
-    page.get_by_role("menuitem", name="File", exact=True).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save( Notebook)?$")).first.click()
+    # Focus the notebook (a widget's input may hold the keyboard), then save with Ctrl+S.
+    page.locator(".jp-NotebookPanel .jp-InputPrompt").first.click()
+    page.keyboard.press("Control+s")
     deadline = time.monotonic() + SAVE_TIMEOUT_S
     while saved.stat().st_mtime_ns == before or "widget-state+json" not in saved.read_text():
-        assert time.monotonic() < deadline, "the notebook was not saved with its widget state"
+        if time.monotonic() > deadline:
+            page.screenshot(path=saved.parent.parent / "save_failed.png")
+            raise AssertionError("the notebook was not saved with its widget state")
         time.sleep(0.5)
     _SAVED.append(saved)
     return saved
