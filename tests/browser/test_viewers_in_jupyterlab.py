@@ -428,7 +428,8 @@ def _report(directory: Path) -> Path:
     )
     model_dir = directory / "model"
     LlamaForCausalLM(config).eval().save_pretrained(model_dir)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(model_dir)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="w0")
+    tokenizer.save_pretrained(model_dir)
     out = directory / "report"
     args = ["report", str(model_dir), "--prompt", "w1 w2 w3 w4 w1 w2", "--no-progress"]
     assert main([*args, "--out", str(out)]) == 0

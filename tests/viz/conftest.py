@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -34,7 +36,10 @@ def tiny_bridge():
         eos_token_id=1,
         pad_token_id=None,
     )
-    return Bridge(LlamaForCausalLM(config).eval(), tokenizer=_tokenizer())
+    bridge = Bridge(LlamaForCausalLM(config).eval(), tokenizer=_tokenizer())
+    # The word-level tokenizer has no BOS token: strings are tokenized as they are.
+    bridge.cfg = dataclasses.replace(bridge.cfg, default_prepend_bos=False)
+    return bridge
 
 
 @pytest.fixture(scope="module")
