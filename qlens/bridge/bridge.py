@@ -61,6 +61,7 @@ from qlens.bridge.switches import SWITCHED_SUFFIXES, HookSwitches
 from qlens.bridge.tokens import (
     PaddingSide,
     default_padding_side,
+    has_bos_candidate,
     positions_from_mask,
     require_tokenizer,
     tokenize,
@@ -116,7 +117,11 @@ class Bridge(HookSwitches, ModelAPI):
         self.cfg: BridgeConfig = build_config(model.config, a, len(self._layers), eps)
         if tokenizer is not None:
             side = default_padding_side(tokenizer)
-            self.cfg = dataclasses.replace(self.cfg, default_padding_side=side)
+            # a tokenizer with neither BOS nor EOS has nothing to prepend by default
+            bos = self.cfg.default_prepend_bos and has_bos_candidate(tokenizer)
+            self.cfg = dataclasses.replace(
+                self.cfg, default_padding_side=side, default_prepend_bos=bos
+            )
         self._store: dict[str, Tensor] = {}
         self._sites: list[taps.Site] = [taps.OutputSite(self.embed, "hook_embed")]
         if self.pos_embed is not None:

@@ -26,6 +26,11 @@ def tokenizer_prepends_bos(tokenizer: Any) -> bool:
     return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
+def has_bos_candidate(tokenizer: Any) -> bool:
+    """Whether the tokenizer has a token to prepend as BOS (its BOS, else its EOS)."""
+    return tokenizer.bos_token_id is not None or tokenizer.eos_token_id is not None
+
+
 def bos_token_id(tokenizer: Any) -> int:
     """The BOS id to prepend: the tokenizer's BOS, else its EOS (as TransformerLens does)."""
     for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
