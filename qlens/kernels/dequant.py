@@ -119,7 +119,7 @@ def dequantize_triton(
         kernel = _FORMAT_KERNELS[payload.format.name]
         return kernel(payload, dtype, launch=launch, check_values=check_values)
     if len(payload.shape) == 3:
-        from qlens.quant.modules.expert_payloads import select_expert
+        from qlens.quant.expert_payloads import select_expert
 
         experts = range(payload.shape[0])
         return torch.stack(

@@ -107,7 +107,7 @@ def quantized_linear(
         b = None if bias is None else bias.to(x.dtype)
         out = F.linear(x2, dequantize_triton(payload, x.dtype), b)
     else:
-        from qlens.kernels.linear import weight_only_linear
+        from qlens.kernels.weight_only import weight_only_linear
 
         out = weight_only_linear(x2, w, bias, config)
     return out.reshape(*lead, w.n)

@@ -15,7 +15,7 @@ from qlens.kernels.weights import (
     kernel_weight,
     reads_payload_memory,
 )
-from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.expert_payloads import select_expert
 from qlens.quant.payload import QuantPayload
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of

@@ -1,6 +1,6 @@
 """Weight-only GEMV for a few rows: the weight streams once, decoded in registers.
 
-Packed 4-bit weights whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel``
+Packed 4-bit weights whose rows are whole int32 words take ``packed_gemv.packed_gemv_kernel``
 (``QLENS_WORD_GEMV=0`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
 weight tile, 16-byte word loads, integer decodes, FMAs for one row and tensor-core dots
 beyond. On the H200 (28672 x 8192, one row) it is 1.8-2.7x faster than the
@@ -21,9 +21,9 @@ from torch import Tensor
 
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
-from qlens.kernels.decode_fast import packed_gemv_kernel
+from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.linear import weight_only_linear
+from qlens.kernels.weight_only import weight_only_linear
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import SplitTarget, split_target, store_tile
 from qlens.kernels.weights import KernelWeight

@@ -13,7 +13,7 @@ from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.runtime import interpreting
 from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs.gguf import Q4_1
-from qlens.quant.modules import dispatch
+from qlens.modules import dispatch
 from qlens.quant.quantize import quantize_weight
 
 

@@ -7,7 +7,7 @@ import torch
 from tiny_models import input_ids, make_model
 
 import qlens.kernels
-from qlens.quant.model_quantize import SCHEMES, quantize
+from qlens.modules.model_quantize import SCHEMES, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -53,7 +53,7 @@ def test_dequantize_only_formats_take_the_triton_dequantize_then_cublas() -> Non
     from qlens.kernels.reference import reference_linear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import Q4_1
-    from qlens.quant.modules.dispatch import payload_linear
+    from qlens.modules.dispatch import payload_linear
 
     blocks = torch.randint(0, 256, (96, 256 // 32 * Q4_1.type_size), dtype=torch.uint8)
     halfs = (torch.randn(96 * 256 // 32, 2) * 0.01).to(torch.float16)

@@ -27,12 +27,12 @@ from qlens.quant.adopt.compressed_tensors import (
     is_compressed_tensors_module,
     reattach_decompress_hook,
 )
-from qlens.quant.modules.dispatch import (
+from qlens.modules.dispatch import (
     check_payload_device,
     fused_experts_forward,
     payload_linear,
 )
-from qlens.quant.modules.expert_gate import ExpertGate
+from qlens.modules.expert_gate import ExpertGate
 from qlens.quant.payload import QuantPayload
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qlens.quant.formats import QuantFormat
-from qlens.quant.modules import ExpertGate, QuantExperts, QuantLinear
-from qlens.quant.modules.payload_buffers import PayloadModule, PayloadSpec, buffer_name
+from qlens.modules import ExpertGate, QuantExperts, QuantLinear
+from qlens.modules.payload_buffers import PayloadModule, PayloadSpec, buffer_name
 from qlens.quant.payload import QuantPayload
 
 MANIFEST_FILE = "qlens_quantized.json"

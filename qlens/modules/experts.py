@@ -7,10 +7,10 @@ from typing import Any
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, fused_experts_forward
-from qlens.quant.modules.expert_gate import ExpertGate
-from qlens.quant.modules.expert_payloads import num_experts_of
-from qlens.quant.modules.payload_buffers import PayloadModule
+from qlens.modules.dispatch import check_payload_device, fused_experts_forward
+from qlens.modules.expert_gate import ExpertGate
+from qlens.quant.expert_payloads import num_experts_of
+from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
 
 
@@ -22,7 +22,7 @@ class QuantExperts(PayloadModule):
     returns ``[T, H]``; the parent block still routes. Payloads use the logical ``[out, in]``
     orientation on every model (GPT-OSS' ``[E, in, out]`` weights are transposed when quantized);
     ``gate`` says how gate and up rows are laid out and combined. Each expert's matmul dispatches
-    like :class:`~qlens.quant.modules.QuantLinear`.
+    like :class:`~qlens.modules.QuantLinear`.
     """
 
     def __init__(

@@ -7,8 +7,8 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, payload_linear
-from qlens.quant.modules.payload_buffers import PayloadModule
+from qlens.modules.dispatch import check_payload_device, payload_linear
+from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
 from qlens.kernels import LinearConfig, quantized_linear
-from qlens.kernels.decode_fast import (
+from qlens.kernels.packed_gemv import (
     E2M1_FP16_FACTOR,
     E2M1_MAGNITUDE_MASK,
     E2M1_PAIR_SHIFTS,

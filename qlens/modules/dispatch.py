@@ -9,8 +9,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.quant.modules.expert_payloads import num_experts_of, select_expert
-from qlens.quant.modules.routing import route_to_experts
+from qlens.quant.expert_payloads import num_experts_of, select_expert
+from qlens.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
 
 logger = logging.getLogger(__name__)
