@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from qlens.quant.formats import QuantFormat
 from qlens.quant.payload import QuantPayload
+from qlens.quant.payload_spec import PayloadSpec
 
-_OPTIONAL = ("scales", "zeros", "global_scale")
-
-
-@dataclass(frozen=True)
-class PayloadSpec:
-    """Everything of a payload that is not a tensor, plus which optional tensors it holds."""
-
-    format: QuantFormat
-    shape: tuple[int, ...]
-    layout: dict[str, Any] = field(default_factory=dict)
-    present: tuple[str, ...] = ()  # names among scales, zeros, global_scale
-    extras: tuple[str, ...] = ()
+__all__ = ["PayloadModule", "PayloadSpec", "buffer_name"]
 
 
 def buffer_name(prefix: str, tensor_name: str) -> str:
@@ -37,38 +25,57 @@ class PayloadModule(nn.Module):
     Payload buffers follow device moves but keep their dtype: ``model.to(torch.bfloat16)`` or
     ``.half()`` casts biases and other float tensors, never packed data or scales (an fp8 weight
     or an fp32 scale cast to bf16 would silently change the weight).
+
+    The payload built on the buffers is kept (with the launch plans the kernels keep on it) and
+    rebuilt only when the buffers change: ``.to()``/``_apply``, ``load_state_dict``, or a buffer
+    replaced in place of another (device maps and offloading hooks do that).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._payload_specs: dict[str, PayloadSpec] = {}
+        self._payload_keys: dict[str, str] = {}
+        self._prepared: dict[str, tuple[tuple[torch.Tensor, ...], QuantPayload]] = {}
 
     def register_payload(self, prefix: str, payload: QuantPayload) -> None:
         """Register every tensor of ``payload`` as a persistent buffer under ``prefix``."""
-        present = tuple(n for n in _OPTIONAL if getattr(payload, n) is not None)
-        spec = PayloadSpec(
-            format=payload.format,
-            shape=tuple(int(s) for s in payload.shape),
-            layout=dict(payload.layout),
-            present=present,
-            extras=tuple(payload.extras),
-        )
+        spec = PayloadSpec.of(payload)
         self._payload_specs[prefix] = spec
+        self._payload_keys[prefix] = spec.key
+        self.forget_prepared()
         for name, tensor in payload.tensors().items():
             self.register_buffer(buffer_name(prefix, name), tensor)
 
-    def payload_for(self, prefix: str) -> QuantPayload:
-        """The payload registered under ``prefix``, built on the buffers as they are now."""
+    def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
+        """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
         spec = self._payload_specs[prefix]
-        optional = {n: self._payload_buffer(prefix, n) for n in spec.present}
-        return QuantPayload(
-            format=spec.format,
-            data=self._payload_buffer(prefix, "data"),
-            shape=spec.shape,
-            layout=dict(spec.layout),
-            extras={k: self._payload_buffer(prefix, f"extra.{k}") for k in spec.extras},
-            **optional,
-        )
+        return [self._payload_buffer(prefix, n) for n in spec.tensor_names]
+
+    def payload_key(self, prefix: str) -> str:
+        """The ``PayloadSpec.key`` of the payload under ``prefix`` (what the custom ops take)."""
+        return self._payload_keys[prefix]
+
+    def payload_for(self, prefix: str) -> QuantPayload:
+        """The payload registered under ``prefix``, on the buffers as they are now."""
+        spec = self._payload_specs[prefix]
+        buffers = self._buffers
+        names = self._names_of(prefix)
+        kept = self._prepared.get(prefix)
+        if kept is not None and all(buffers[n] is t for n, t in zip(names, kept[0], strict=True)):
+            return kept[1]
+        tensors = tuple(self.payload_tensors(prefix))
+        payload = spec.build(tensors)
+        self._prepared[prefix] = (tensors, payload)
+        return payload
+
+    def _names_of(self, prefix: str) -> tuple[str, ...]:
+        names = self.__dict__.get("_buffer_names_cache")
+        if names is None:
+            names = self.__dict__["_buffer_names_cache"] = {
+                p: tuple(buffer_name(p, n) for n in s.tensor_names)
+                for p, s in self._payload_specs.items()
+            }
+        return names[prefix]
 
     def _payload_buffer(self, prefix: str, tensor_name: str) -> torch.Tensor:
         tensor = self._buffers[buffer_name(prefix, tensor_name)]
@@ -80,12 +87,13 @@ class PayloadModule(nn.Module):
         """The non-tensor description of each registered payload, by prefix."""
         return dict(self._payload_specs)
 
+    def forget_prepared(self) -> None:
+        """Drop the kept payloads and their launch plans (rebuilt on the next forward)."""
+        self._prepared.clear()
+        self.__dict__.pop("_buffer_names_cache", None)
+
     def _payload_buffer_names(self) -> list[str]:
-        names: list[str] = []
-        for prefix, spec in self._payload_specs.items():
-            tensor_names = ["data", *spec.present, *(f"extra.{k}" for k in spec.extras)]
-            names.extend(buffer_name(prefix, n) for n in tensor_names)
-        return names
+        return [name for prefix in self._payload_specs for name in self._names_of(prefix)]
 
     def _apply(
         self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
@@ -96,4 +104,9 @@ class PayloadModule(nn.Module):
             moved = self._buffers[name]
             if original is not None and moved is not None and moved.dtype != original.dtype:
                 self._buffers[name] = original.to(device=moved.device)
+        self.forget_prepared()
         return self
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.forget_prepared()

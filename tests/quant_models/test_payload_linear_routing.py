@@ -11,9 +11,9 @@ import torch
 import qlens.kernels
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.runtime import interpreting
+from qlens.modules import dispatch
 from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs.gguf import Q4_1
-from qlens.modules import dispatch
 from qlens.quant.quantize import quantize_weight
 
 

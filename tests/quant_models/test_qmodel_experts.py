@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny_models import make_model
 
-from qlens.quant.dequantize import dequantize
-from qlens.modules.model_quantize import quantize
 from qlens.modules import ExpertGate, QuantExperts
+from qlens.modules.model_quantize import quantize
+from qlens.quant.dequantize import dequantize
 from qlens.quant.expert_payloads import select_expert
 from qlens.quant.quantize import quantize_weight
 

@@ -51,9 +51,9 @@ def test_dequantize_only_formats_take_the_triton_dequantize_then_cublas() -> Non
     """GGUF Q4_1 has a dequantize kernel but no fused linear: on the GPU it is decoded by that
     kernel (bit-exact with the codec) and multiplied by cuBLAS, never the torch reference."""
     from qlens.kernels.reference import reference_linear
+    from qlens.modules.dispatch import payload_linear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import Q4_1
-    from qlens.modules.dispatch import payload_linear
 
     blocks = torch.randint(0, 256, (96, 256 // 32 * Q4_1.type_size), dtype=torch.uint8)
     halfs = (torch.randn(96 * 256 // 32, 2) * 0.01).to(torch.float16)

@@ -10,8 +10,8 @@ from dequantized_reference import dequantized_reference
 from tiny_models import input_ids, make_model
 from torch import nn
 
-from qlens.modules.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
 from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
 
 FAMILIES = ["llama", "qwen3", "gpt2", "mixtral", "qwen3_moe", "gpt_oss"]
 # The reference runs the same fp32 math on the same dequantized weights; only summation order

@@ -10,8 +10,8 @@ import torch
 from tiny_models import input_ids, make_model
 from torch import nn
 
-from qlens.modules.model_quantize import quantize
 from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.model_quantize import quantize
 from qlens.modules.serialization import MANIFEST_FILE, load_quantized, save_quantized
 
 
