@@ -7,7 +7,7 @@ the CPU implementation is the torch reference. ``torch.compile`` specializes on 
 (a constant), so each quantized layer's format and shape is baked into the graph.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: the ops' schemas are read from real annotations.
 
 import torch
 from jaxtyping import Float, Integer

@@ -18,6 +18,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig
+from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.reference import reference_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
@@ -71,9 +72,10 @@ class LinearPlan:
     def __call__(
         self, x: Float[Tensor, "*batch k"], bias: Float[Tensor, " n"] | None = None
     ) -> Float[Tensor, "*batch n"]:
-        if self.route == "kernel":
+        """``x @ W.T + bias``; float64 activations (no kernel reads them) take the reference."""
+        if self.route == "kernel" and x.dtype in ACTIVATION_DTYPES:
             return self._kernel(x, bias)
-        if self.route == "dequantize":
+        if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
             return self._dequantize(x, bias)
         return reference_linear(x, self.payload, bias)
 

@@ -182,7 +182,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
 
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
-    holders = [v for v in vars(module).values() if not isinstance(v, _PLAIN)]
+    holders = [v for k, v in vars(module).items() if k != _TRACED and not isinstance(v, _PLAIN)]
     key = (
         tuple((t.data_ptr(), t.device, t._version) for t in tensors),
         tuple(id(v) for v in holders),
