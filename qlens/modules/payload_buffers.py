@@ -35,6 +35,7 @@ class PayloadModule(nn.Module):
         super().__init__()
         self._payload_specs: dict[str, PayloadSpec] = {}
         self._payload_keys: dict[str, str] = {}
+        self._payload_buffers: dict[str, tuple[str, ...]] = {}
         self._prepared: dict[str, tuple[tuple[torch.Tensor, ...], QuantPayload]] = {}
 
     def register_payload(self, prefix: str, payload: QuantPayload) -> None:
@@ -42,14 +43,14 @@ class PayloadModule(nn.Module):
         spec = PayloadSpec.of(payload)
         self._payload_specs[prefix] = spec
         self._payload_keys[prefix] = spec.key
+        self._payload_buffers[prefix] = tuple(buffer_name(prefix, n) for n in spec.tensor_names)
         self.forget_prepared()
         for name, tensor in payload.tensors().items():
             self.register_buffer(buffer_name(prefix, name), tensor)
 
     def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
         """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
-        spec = self._payload_specs[prefix]
-        return [self._payload_buffer(prefix, n) for n in spec.tensor_names]
+        return [self._payload_buffer(name) for name in self._payload_buffers[prefix]]
 
     def payload_key(self, prefix: str) -> str:
         """The ``PayloadSpec.key`` of the payload under ``prefix`` (what the custom ops take)."""
@@ -59,7 +60,7 @@ class PayloadModule(nn.Module):
         """The payload registered under ``prefix``, on the buffers as they are now."""
         spec = self._payload_specs[prefix]
         buffers = self._buffers
-        names = self._names_of(prefix)
+        names = self._payload_buffers[prefix]
         kept = self._prepared.get(prefix)
         if kept is not None and all(buffers[n] is t for n, t in zip(names, kept[0], strict=True)):
             return kept[1]
@@ -68,19 +69,10 @@ class PayloadModule(nn.Module):
         self._prepared[prefix] = (tensors, payload)
         return payload
 
-    def _names_of(self, prefix: str) -> tuple[str, ...]:
-        names = self.__dict__.get("_buffer_names_cache")
-        if names is None:
-            names = self.__dict__["_buffer_names_cache"] = {
-                p: tuple(buffer_name(p, n) for n in s.tensor_names)
-                for p, s in self._payload_specs.items()
-            }
-        return names[prefix]
-
-    def _payload_buffer(self, prefix: str, tensor_name: str) -> torch.Tensor:
-        tensor = self._buffers[buffer_name(prefix, tensor_name)]
+    def _payload_buffer(self, name: str) -> torch.Tensor:
+        tensor = self._buffers[name]
         if tensor is None:
-            raise RuntimeError(f"payload buffer {buffer_name(prefix, tensor_name)} was set to None")
+            raise RuntimeError(f"payload buffer {name} was set to None")
         return tensor
 
     def payload_specs(self) -> dict[str, PayloadSpec]:
@@ -90,10 +82,9 @@ class PayloadModule(nn.Module):
     def forget_prepared(self) -> None:
         """Drop the kept payloads and their launch plans (rebuilt on the next forward)."""
         self._prepared.clear()
-        self.__dict__.pop("_buffer_names_cache", None)
 
     def _payload_buffer_names(self) -> list[str]:
-        return [name for prefix in self._payload_specs for name in self._names_of(prefix)]
+        return [name for names in self._payload_buffers.values() for name in names]
 
     def _apply(
         self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
