@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +25,7 @@ class ExpertGate:
     activation: str
     alpha: float | None = None
     limit: float | None = None
-    _act: ClassVar[Callable[[Tensor], Tensor]]  # set per instance (not a field)
+    _act: ClassVar[Any]  # the activation module, set per instance (not a field)
 
     def __post_init__(self) -> None:
         if self.layout not in GATE_LAYOUTS:
