@@ -85,7 +85,7 @@ def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
 def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
     import dataclasses
 
-    monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
+    monkeypatch.setattr("qlens.kernels.experts.kernel_device_problem", lambda device: None)
     from qlens.modules.dispatch import experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
