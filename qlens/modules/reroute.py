@@ -23,11 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qlens.quant.adopt.compressed_tensors import (
-    detach_decompress_hook,
-    is_compressed_tensors_module,
-    reattach_decompress_hook,
-)
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import linear
 from qlens.modules.dispatch import (
@@ -36,6 +31,11 @@ from qlens.modules.dispatch import (
     traced_experts_forward,
 )
 from qlens.modules.expert_gate import ExpertGate
+from qlens.quant.adopt.compressed_tensors import (
+    detach_decompress_hook,
+    is_compressed_tensors_module,
+    reattach_decompress_hook,
+)
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import PayloadSpec
 
