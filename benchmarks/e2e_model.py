@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def available_schemes(names: str | None) -> list[str]:
     """qlens' schemes, then the bitsandbytes peers when ``bitsandbytes`` imports; filtered by
     ``--schemes``, whose unknown names are an error."""
-    from qlens.quant.model_quantize import SCHEMES
+    from qlens.modules.model_quantize import SCHEMES
 
     known = [*SCHEMES, *BNB_SCHEMES]
     if names is not None:

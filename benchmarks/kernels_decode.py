@@ -2,7 +2,7 @@
 
 Both GEMV kernels of qlens are timed in the same run, each on the dispatcher's launch: the
 word-wise one (the default for these weights: int32 words of eight codes, integer decodes) and
-the byte-wise one (``QLENS_WORD_GEMV=0``). gemlite (int4, group 128,
+the byte-wise one (``LinearConfig(words=False)``). gemlite (int4, group 128,
 its own autotuning) is timed when it is importable.
 
 Run on a CUDA GPU: ``python benchmarks/kernels_decode.py [--no-sweep]``; prints markdown and,
@@ -12,10 +12,8 @@ when ``$OUT`` is set, writes it to ``$OUT/kernels_decode_h200.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -37,7 +35,6 @@ from _timing import (
 from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.kernels.configs import split_k_for
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.gemv import WORD_GEMV_ENV
 from qlens.quant.quantize import quantize_weight
 
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
@@ -64,20 +61,6 @@ def _launch(m: int, n: int, k: int, bn: int, bk: int, warps: int) -> LinearConfi
     cfg = LinearConfig("gemv", 16, bn, bk, num_warps=warps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return replace(cfg, split_k=split_k_for(m, n, k, cfg, sms))
-
-
-@contextlib.contextmanager
-def word_gemv(on: bool) -> Iterator[None]:
-    """The word-wise GEMV on (``on=True``) or off for packed 4-bit weights, within the block."""
-    before = os.environ.get(WORD_GEMV_ENV)
-    os.environ[WORD_GEMV_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(WORD_GEMV_ENV, None)
-        else:
-            os.environ[WORD_GEMV_ENV] = before
 
 
 def gemlite_int4(p, n: int, k: int):
@@ -118,14 +101,13 @@ def bench(sweep: bool, dev: torch.device) -> str:
                 ps = payloads[s]
                 ref = F.linear(x.float(), dequantize_triton(ps[0], torch.float32))
                 for label, on in (("byte", False), ("word", True)):
-                    with word_gemv(on):
-                        c = default_config(ps[0], m, dev)
-                        cells[f"{s} {label}"] = _safe(
-                            f"{s} {label} {m}x{n}x{k}",
-                            lambda ps=ps, x=x, c=c: time_linear(ps, x, c),
-                        )
-                        err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: rel_err(
-                            quantized_linear(x, p, config=c), r))  # fmt: skip
+                    c = default_config(ps[0], m, dev, words=on)
+                    cells[f"{s} {label}"] = _safe(
+                        f"{s} {label} {m}x{n}x{k}",
+                        lambda ps=ps, x=x, c=c: time_linear(ps, x, c),
+                    )
+                    err = _safe(f"{s} {label} parity", lambda p=ps[0], x=x, r=ref, c=c: rel_err(
+                        quantized_linear(x, p, config=c), r))  # fmt: skip
                     checks.append((f"{s} {label}", m, n, k, launch_label(c), err))
             if layers:
                 cells["gemlite int4"] = _safe(
@@ -140,10 +122,7 @@ def bench(sweep: bool, dev: torch.device) -> str:
             for (s, _), (m, bn, bk, warps) in itertools.product(PACKED_4BIT_SCHEMES, SWEEP):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 c = _launch(m, n, k, bn, bk, warps)
-                with word_gemv(True):
-                    us = _safe(
-                        f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: time_linear(ps, x, c)
-                    )
+                us = _safe(f"sweep {s} {c}", lambda ps=payloads[s], c=c, x=x: time_linear(ps, x, c))
                 sweep_rows.append((s, m, bn, bk, warps, c.split_k, us))
                 print(f"<!-- sweep {s} M={m} {bn}x{bk} w{warps}: {us:.1f} -->", flush=True)
         del bf16, payloads, w, layers

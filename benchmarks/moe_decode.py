@@ -37,7 +37,7 @@ from qlens.kernels.configs import choose_config
 from qlens.kernels.experts import stacked_experts
 from qlens.kernels.gemv import experts_gemv
 from qlens.quant.dequantize import dequantize
-from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.expert_payloads import select_expert
 from qlens.quant.quantize import quantize_weight
 
 # (name, experts, n, k, top_k): one projection of each model's experts, one token routed.

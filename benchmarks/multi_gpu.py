@@ -155,8 +155,8 @@ def check_split(setup: Setup, tokens: torch.Tensor) -> list[Check]:
 
 
 def check_quantized(setup: Setup, tokens: torch.Tensor, scheme: str) -> list[Check]:
-    from qlens.quant.model_quantize import quantize
-    from qlens.quant.modules import QuantExperts, QuantLinear
+    from qlens.modules import QuantExperts, QuantLinear
+    from qlens.modules.model_quantize import quantize
 
     reference = quantize(setup.single(), scheme, inplace=True)
     split = quantize(setup.split(offload=False), scheme, inplace=True)

@@ -121,7 +121,7 @@ def measure(directory: str, scheme: str, mode: str) -> dict:
     import qlens
 
     # Import what loading imports before taking the baseline: peaks are the load's own memory.
-    for name in ("qlens.loading", "qlens.quantize_on_load", "qlens.quant.model_quantize"):
+    for name in ("qlens.loading", "qlens.quantize_on_load", "qlens.modules.model_quantize"):
         importlib.import_module(name)
     importlib.import_module(
         f"transformers.models.{json.loads(Path(directory, 'config.json').read_text())['model_type']}"

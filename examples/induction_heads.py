@@ -10,7 +10,7 @@ from _output import output_dir, save_html
 
 import qlens
 from qlens.analysis import repeated_random_tokens, score_patterns
-from qlens.quant.model_quantize import DEFAULT_SKIP, quantize
+from qlens.modules.model_quantize import DEFAULT_SKIP, quantize
 from qlens.viz import AttentionExplorer
 
 out = output_dir(__doc__)

@@ -10,7 +10,7 @@ from _output import output_dir, save_html
 
 import qlens
 from qlens.analysis import quantization_drift
-from qlens.quant.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
+from qlens.modules.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
 from qlens.viz import DriftDashboard, render_payload_html
 from qlens.weights import W_Q, dequantized
 

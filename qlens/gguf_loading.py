@@ -148,9 +148,9 @@ def _load_with_qlens_reader(
     )
 
     from qlens.load_checks import key_list
+    from qlens.modules import QuantLinear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import GGML_TYPES
-    from qlens.quant.modules import QuantLinear
     from qlens.quantize_on_load import put_tensor
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -196,8 +196,8 @@ def _load_with_qlens_reader(
 
 def to_qlens_modules(model: nn.Module) -> int:
     """Swap transformers' GgufLinear / GgufExperts for qlens modules; return how many."""
+    from qlens.modules import ExpertGate, QuantExperts, QuantLinear
     from qlens.quant.adopt.higgs_gguf import adopt_gguf, adopt_gguf_experts
-    from qlens.quant.modules import ExpertGate, QuantExperts, QuantLinear
 
     act = getattr(getattr(model, "config", None), "hidden_act", None)
     count = 0

@@ -59,7 +59,7 @@ def require_complete_load(model: nn.Module, info: dict[str, Any], location: str)
 
 def float_experts_problems(model: nn.Module) -> list[str]:
     """Fused experts modules that ``config.quantization_config`` quantizes but that hold floats."""
-    from qlens.quant.modules.hf_experts import is_fused_experts
+    from qlens.modules.hf_experts import is_fused_experts
 
     config = getattr(model, "config", None)
     qconfig = getattr(config, "quantization_config", None)

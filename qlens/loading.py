@@ -31,7 +31,7 @@ TokenizerSource = str | os.PathLike | PreTrainedTokenizerBase | None
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # from_pretrained arguments that say where files come from; config and tokenizer loads need them too.
 _HUB_KEYS = ("local_files_only", "revision", "token", "cache_dir")
-# Written by qlens.save_quantized next to its weights (qlens.quant.serialization.MANIFEST_FILE).
+# Written by qlens.save_quantized next to its weights (qlens.modules.serialization.MANIFEST_FILE).
 _QLENS_MANIFEST = "qlens_quantized.json"
 _CAUSAL_LM_CLASS_NAMES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -283,7 +283,7 @@ def _load_saved_quantized(location: str, request: _Request, kwargs: dict[str, An
             f"{', '.join(given)} cannot be applied. Pass device= (and dequantize=True for a "
             "float copy) only, or cast the loaded model yourself."
         )
-    from qlens.quant.serialization import load_quantized
+    from qlens.modules.serialization import load_quantized
 
     model = load_quantized(location, device=request.device or "cpu")
     if request.dequantize:

@@ -146,10 +146,10 @@ def _packed_modules(model: nn.Module, shards: list[Path]) -> dict[str, tuple[str
 def _build(
     module: nn.Module, parts: dict[str, torch.Tensor], block: Any, dtype: torch.dtype
 ) -> nn.Module:
+    from qlens.modules import QuantExperts, QuantLinear
+    from qlens.modules.hf_experts import expert_gate_of
     from qlens.quant.adopt.fp8 import fp8_payload
     from qlens.quant.adopt.gpt_oss import gpt_oss_payload
-    from qlens.quant.modules import QuantExperts, QuantLinear
-    from qlens.quant.modules.hf_experts import expert_gate_of
 
     if isinstance(module, nn.Linear):
         bias = parts.get("bias")

@@ -30,7 +30,7 @@ _SINGLE_FILE = "model.safetensors"
 class _Pending:
     """A planned layer waiting for its float tensors."""
 
-    plan: Any  # qlens.quant.model_quantize._Plan
+    plan: Any  # qlens.modules.model_quantize._Plan
     missing: set[str] = field(default_factory=set)  # its tensor names not yet loaded
 
 
@@ -66,7 +66,7 @@ def load_quantizing(
     from transformers import AutoModelForCausalLM
 
     from qlens.load_checks import key_list
-    from qlens.quant.model_quantize import DEFAULT_SKIP, SCHEMES, plan_quantization
+    from qlens.modules.model_quantize import DEFAULT_SKIP, SCHEMES, plan_quantization
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(SCHEMES)}")
@@ -191,7 +191,7 @@ def _advance(
     model: nn.Module, pending: dict[str, _Pending], owner_of: dict[str, str], key: str, scheme: str
 ) -> None:
     """Count ``key`` as loaded; quantize its layer once all of the layer's tensors are in."""
-    from qlens.quant.model_quantize import quantized_module
+    from qlens.modules.model_quantize import quantized_module
 
     name = owner_of.get(key)
     if name is None:

@@ -33,7 +33,7 @@ from qlens.kernels import LinearConfig, dequantize_triton, quantized_linear
 from qlens.quant.quantize import quantize_weight
 
 GEMV_SHAPES = ((28672, 8192), (4096, 4096), (14336, 4096))
-# (BLOCK_N, BLOCK_K, warps): BLOCK_K = 1024 x warps keeps x in the words' layout (decode_fast).
+# (BLOCK_N, BLOCK_K, warps): BLOCK_K = 1024 x warps keeps x in the words' layout (packed_gemv).
 WORD_LAUNCHES = ((4, 1024, 1), (8, 1024, 1), (4, 2048, 2), (8, 2048, 2))
 BYTE_LAUNCHES = ((32, 256, 4), (16, 512, 4), (64, 256, 4))
 STAGES = (1, 2, 3, 4)

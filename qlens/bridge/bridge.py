@@ -96,7 +96,7 @@ class Bridge(HookSwitches, ModelAPI):
         listed in ``self.rerouted``; ``reroute=False`` keeps every module's own forward, and
         ``keep_forward`` keeps it for the modules whose names match those glob patterns.
         """
-        from qlens.quant.reroute import reroute_quantized_modules
+        from qlens.modules.reroute import reroute_quantized_modules
 
         self.model = model
         self.tokenizer = tokenizer

@@ -36,7 +36,9 @@ class LinearConfig:
     """Tile sizes and launch parameters of one quantized linear launch.
 
     ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
-    GEMVs honour it too, the word-wise one for a single row only."""
+    GEMVs honour it too, the word-wise one for a single row only. ``words``: packed 4-bit
+    weights in whole int32 words take the word-wise GEMV on the ``"gemv"`` path (``False``
+    runs the byte-wise kernel instead, for comparisons)."""
 
     path: Path
     block_m: int
@@ -46,6 +48,7 @@ class LinearConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    words: bool = True
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)

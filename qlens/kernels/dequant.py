@@ -16,7 +16,7 @@ from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_ti
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
-from qlens.kernels.weights import kernel_weight
+from qlens.kernels.weights import KernelWeight, kernel_weight
 from qlens.quant.payload import QuantPayload
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,7 +119,7 @@ def dequantize_triton(
         kernel = _FORMAT_KERNELS[payload.format.name]
         return kernel(payload, dtype, launch=launch, check_values=check_values)
     if len(payload.shape) == 3:
-        from qlens.quant.modules.expert_payloads import select_expert
+        from qlens.quant.expert_payloads import select_expert
 
         experts = range(payload.shape[0])
         return torch.stack(
@@ -127,6 +127,13 @@ def dequantize_triton(
         )
     w = kernel_weight(payload)
     require_kernel_device(w.data.device)
+    return dequantize_view(w, dtype, launch)
+
+
+def dequantize_view(
+    w: KernelWeight, dtype: torch.dtype, launch: DequantLaunch | None = None
+) -> Float[Tensor, "n k"]:
+    """``dequantize_triton`` of a checked launch view (no checks: the caller made them)."""
     out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
     tile = launch or default_launch(w.n)
     block_n, block_k = tile.block_n, tile.block_k

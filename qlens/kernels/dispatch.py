@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
@@ -29,21 +31,30 @@ def supports(payload: QuantPayload, device: torch.device | str) -> bool:
 
 
 def default_config(
-    payload: QuantPayload, m: int, device: torch.device, *, w8a8: bool = False
+    payload: QuantPayload,
+    m: int,
+    device: torch.device,
+    *,
+    w8a8: bool = False,
+    words: bool = True,
 ) -> LinearConfig:
-    """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``."""
-    return _weight_config(kernel_weight(payload), m, device, w8a8)
+    """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``;
+    ``words=False`` chooses as for the byte-wise kernels (packed words not read as words)."""
+    return _weight_config(kernel_weight(payload), m, device, w8a8, words)
 
 
-def _weight_config(w: KernelWeight, m: int, device: torch.device, w8a8: bool) -> LinearConfig:
+def _weight_config(
+    w: KernelWeight, m: int, device: torch.device, w8a8: bool, words: bool = True
+) -> LinearConfig:
     """``default_config`` for the payload's launch view ``w``."""
     from qlens.kernels.gemv import word_view
 
-    words = not w8a8 and word_view(w) is not None
+    packed_words = words and not w8a8 and word_view(w) is not None
     # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a thread
     # (168 without; local sm_90 compile) and was not measured.
     int4 = w.family == INT4 and w.zeros is None
-    return choose_config(m, w.n, w.k, device, w8a8=w8a8, packed_words=words, int4=int4)
+    config = choose_config(m, w.n, w.k, device, w8a8=w8a8, packed_words=packed_words, int4=int4)
+    return config if words else replace(config, words=False)
 
 
 def quantized_linear(
@@ -84,33 +95,42 @@ def quantized_linear(
         raise ValueError(
             f"bias must have shape [{w.n}] on {x.device}, got {list(bias.shape)} on {bias.device}"
         )
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty((*lead, w.n))
+        return x.new_empty((*x.shape[:-1], w.n))
     if config is None:
         config = _weight_config(w, m, x.device, w8a8)
+    return launch_kernel(x2, w, bias, config, w8a8).reshape(*x.shape[:-1], w.n)
+
+
+def launch_kernel(
+    x2: Float[Tensor, "m k"],
+    w: KernelWeight,
+    bias: Float[Tensor, " n"] | None,
+    config: LinearConfig,
+    w8a8: bool = False,
+) -> Float[Tensor, "m n"]:
+    """Run the launch ``config`` of ``x2 @ W.T + bias`` on a checked view ``w``; no checks (the
+    callers made them once), ``x2`` has at least one row."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
-        out = fp8_block_w8a8_linear(x2, w, bias, config)
-    elif config.path == "gemv":
+        return fp8_block_w8a8_linear(x2, w, bias, config)
+    if config.path == "gemv":
         from qlens.kernels.gemv import gemv_linear
 
-        out = gemv_linear(x2, w, bias, config)
-    elif config.path == "dequant":
-        from qlens.kernels.dequant import dequantize_triton
+        return gemv_linear(x2, w, bias, config)
+    if config.path == "dequant":
+        from qlens.kernels.dequant import dequantize_view
 
-        b = None if bias is None else bias.to(x.dtype)
-        out = F.linear(x2, dequantize_triton(payload, x.dtype), b)
-    else:
-        from qlens.kernels.linear import weight_only_linear
+        b = None if bias is None else bias.to(x2.dtype)
+        return F.linear(x2, dequantize_view(w, x2.dtype), b)
+    from qlens.kernels.weight_only import weight_only_linear
 
-        out = weight_only_linear(x2, w, bias, config)
-    return out.reshape(*lead, w.n)
+    return weight_only_linear(x2, w, bias, config)
 
 
 def dequantized_linear(

@@ -2,25 +2,72 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
-from qlens.kernels.gemv import ExpertRows, experts_gemv, word_view
+from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import (
     KernelWeight,
     cached_on_payload,
     kernel_weight,
     reads_payload_memory,
 )
-from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
+
+if TYPE_CHECKING:
+    from qlens.kernels.gemv import ExpertRows
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
 FUSED_EXPERT_ROWS = 64
+
+
+def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:
+    """The ``[out, in]`` payload of each expert of an ``[experts, out, in]`` payload (views,
+    built once and kept on the payload, so each expert's launch plan is kept too)."""
+    return cached_on_payload(
+        payload,
+        "expert_views",
+        lambda p: tuple(select_expert(p, e) for e in range(num_experts_of(p))),
+    )
+
+
+def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: int) -> bool:
+    """True when ``rows`` (token, expert) pairs of fused experts ``payloads`` ``[experts, out,
+    in]`` can run through :func:`experts_linear`'s one launch on ``x``'s accelerator: few enough
+    rows for its GEMV, and formats the kernels read."""
+    if x.device.type == "cpu" or not 0 < rows <= FUSED_EXPERT_ROWS:
+        return False
+    if kernel_device_problem(x.device) is not None:
+        return False
+    return all(first_expert_view(p) is not None for p in payloads)
+
+
+def rows_through_experts(
+    x: Float[Tensor, "rows k"],
+    payload: QuantPayload,
+    expert_ids: Integer[Tensor, " rows"],
+    bias: Float[Tensor, "experts n"] | None = None,
+) -> Float[Tensor, "rows n"]:
+    """``out[i] = x[i] @ W[expert_ids[i]].T + bias[expert_ids[i]]`` with ids in
+    ``[0, experts)``: one launch for few rows on an accelerator (``experts_in_one_launch``),
+    else each used expert through :func:`qlens.kernels.linear` on its rows."""
+    if experts_in_one_launch((payload,), x, x.shape[0]):
+        return experts_linear(x, payload, expert_ids, bias, ids_in_range=True)
+    from qlens.kernels.plan import linear
+
+    experts = expert_views(payload)
+    out = x.new_empty((x.shape[0], int(payload.shape[1])))
+    for expert in torch.unique(expert_ids).tolist():
+        rows = torch.nonzero(expert_ids == expert).squeeze(1)
+        out[rows] = linear(x[rows], experts[expert], None if bias is None else bias[expert])
+    return out
 
 
 def first_expert_view(payload: QuantPayload) -> KernelWeight | None:
@@ -54,6 +101,8 @@ def stacked_experts(
     if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
+    from qlens.kernels.gemv import ExpertRows, word_view
+
     w = first_expert_view(payload)
     if w is None or word_view(w) is None:
         return None
@@ -101,11 +150,14 @@ def experts_linear(
     fused = 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8
     stacked = stacked_experts(payload, expert_ids) if fused else None
     if stacked is not None:
+        from qlens.kernels.gemv import experts_gemv
+
         w, rows = stacked
         config = choose_config(1, n, k, x.device, packed_words=True)
         b = None if bias is None else bias.contiguous()
         return experts_gemv(x.contiguous(), w, rows, b, config)
     out = x.new_empty((x.shape[0], n))
+    views = expert_views(payload)
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=experts).tolist()
     start = 0
@@ -113,8 +165,6 @@ def experts_linear(
         if count:
             token_rows = order[start : start + count]
             b = None if bias is None else bias[expert]
-            out[token_rows] = quantized_linear(
-                x[token_rows], select_expert(payload, expert), b, w8a8=w8a8
-            )
+            out[token_rows] = quantized_linear(x[token_rows], views[expert], b, w8a8=w8a8)
             start += count
     return out

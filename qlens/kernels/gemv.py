@@ -1,7 +1,7 @@
 """Weight-only GEMV for a few rows: the weight streams once, decoded in registers.
 
-Packed 4-bit weights whose rows are whole int32 words take ``decode_fast.packed_gemv_kernel``
-(``QLENS_WORD_GEMV=0`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
+Packed 4-bit weights whose rows are whole int32 words take ``packed_gemv.packed_gemv_kernel``
+(``LinearConfig(words=False)`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
 weight tile, 16-byte word loads, integer decodes, FMAs for one row and tensor-core dots
 beyond. On the H200 (28672 x 8192, one row) it is 1.8-2.7x faster than the
 byte-wise kernel. Other weights take the byte-wise kernel here
@@ -9,7 +9,6 @@ byte-wise kernel. Other weights take the byte-wise kernel here
 the strip from L2, not memory, and the product is reduced along K once at the end).
 """
 
-import os
 from dataclasses import dataclass, replace
 from typing import no_type_check
 
@@ -21,11 +20,11 @@ from torch import Tensor
 
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
-from qlens.kernels.decode_fast import packed_gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
-from qlens.kernels.linear import weight_only_linear
+from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import SplitTarget, split_target, store_tile
+from qlens.kernels.weight_only import weight_only_linear
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -76,18 +75,12 @@ def _gemv_kernel(
                N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
-WORD_GEMV_ENV = "QLENS_WORD_GEMV"
-
-
 def word_view(w: KernelWeight) -> Tensor | None:
     """The packed 4-bit data as int32 words ``[n, width / 4]``, or ``None`` when rows are not
-    whole, 16-byte aligned words (then the byte-wise kernel serves the weight), or when
-    ``QLENS_WORD_GEMV=0`` asks for the byte-wise kernel.
+    whole, 16-byte aligned words (then the byte-wise kernel serves the weight).
     """
     data = w.data
     if not w.packed or data.shape[1] % 4 or data.data_ptr() % 16:
-        return None
-    if os.environ.get(WORD_GEMV_ENV) == "0":
         return None
     return data.view(torch.int32)
 
@@ -210,7 +203,7 @@ def gemv_linear(
     ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond.
     """
     m, k = x.shape
-    words = word_view(w)
+    words = word_view(w) if cfg.words else None
     if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
     out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)

@@ -14,8 +14,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether the ``triton`` package can be imported (looked up once)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ValueError:  # ``sys.modules["triton"] = None`` blocks it
+        return False
 
 
 def kernel_device_problem(device: torch.device) -> str | None:

@@ -11,8 +11,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from qlens.bridge import Bridge
+from qlens.modules.model_quantize import SCHEMES, quantize
 from qlens.quant.guards import quantization_method
-from qlens.quant.model_quantize import SCHEMES, quantize
 from qlens.report.audit import WeightAudit, audit_weights
 
 Role = Literal["reference", "quantized", "checkpoint"]

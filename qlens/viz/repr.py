@@ -7,8 +7,8 @@ from collections import Counter
 from typing import Any
 
 from qlens.formatting import format_bytes
+from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.guards import quantization_method
-from qlens.quant.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
 from qlens.weights import unreadable_weights
 

@@ -77,7 +77,7 @@ def _beyond_dequantization(weight: Any) -> bool:
 
 def is_payload_module(module: nn.Module) -> bool:
     """A qlens QuantLinear / QuantExperts (weights held as payload buffers)."""
-    from qlens.quant.modules.payload_buffers import PayloadModule
+    from qlens.modules.payload_buffers import PayloadModule
 
     return isinstance(module, PayloadModule)
 

@@ -16,7 +16,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_quantized(smollm2):
     """SmolLM2 quantized with each scheme, built on first use."""
-    from qlens.quant.model_quantize import quantize
+    from qlens.modules.model_quantize import quantize
 
     built = {}
 

@@ -147,7 +147,7 @@ def test_logit_attrs_reproduce_logit_differences(arch):
 
 
 def test_quantized_sandwich_decomposition_reads_weights_through_the_opt_in():
-    from qlens.quant.model_quantize import quantize
+    from qlens.modules.model_quantize import quantize
 
     bridge = quantize(Bridge(perturbed_model("gemma2")), "int8", group_size=32)
     _, _, tokens, _ = run("gemma2")

@@ -11,7 +11,7 @@ from tl_oracle import tl_bridge
 
 import qlens
 from qlens import Bridge
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 
 DENSE = ["llama", "gpt2", "qwen2", "gpt_neox", "phi3", "opt", "gemma2"]
 WEIGHTS = ["W_E", "W_U", "b_U", "W_Q", "W_K", "W_V", "W_O", "W_in", "W_out"]

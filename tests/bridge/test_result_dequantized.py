@@ -8,7 +8,7 @@ from bridge_models import tiny_model
 
 import qlens
 from qlens.bridge import Bridge
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 
 TOKENS = torch.tensor([[5, 17, 301, 42, 9, 77]])
 

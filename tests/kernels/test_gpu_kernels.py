@@ -159,9 +159,8 @@ WORD_LAUNCHES = (
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
     """The word-wise GEMV (FMAs for one row, tensor-core dots beyond) on whole-word rows."""
-    from qlens.kernels.gemv import FMA_MAX_ROWS, WORD_GEMV_ENV, word_view
+    from qlens.kernels.gemv import FMA_MAX_ROWS, word_view
 
-    monkeypatch.setenv(WORD_GEMV_ENV, "1")
     p = quantized(300, 1024, case).to("cuda")
     assert word_view(kernel_weight(p)) is not None
     weight = dequantize(p, torch.float64)
@@ -181,9 +180,8 @@ def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
 @pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
 def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
     """Several full K tiles and a ragged tail (K = 2 * 4096 + 256) on the one-row layouts."""
-    from qlens.kernels.gemv import FMA_MAX_ROWS, WORD_GEMV_ENV
+    from qlens.kernels.gemv import FMA_MAX_ROWS
 
-    monkeypatch.setenv(WORD_GEMV_ENV, "1")
     p = quantized(72, 8448, case).to("cuda")
     weight = dequantize(p, torch.float64)
     for m in (1, 3):

@@ -8,7 +8,7 @@ import torch
 
 import qlens
 from qlens import models
-from qlens.quant.modules import QuantLinear
+from qlens.modules import QuantLinear
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow  # reads the embedded SmolLM2 GGUF file twice

@@ -12,7 +12,7 @@ from transformers_checkpoints import write_fp8_block_checkpoint, write_gpt_oss_m
 
 import qlens
 from qlens.kernels.runtime import interpreting
-from qlens.quant.modules import QuantExperts, QuantLinear
+from qlens.modules import QuantExperts, QuantLinear
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.tensor([[1, 5, 9, 2, 17, 3]])

@@ -13,8 +13,8 @@ import copy
 import torch
 from torch import nn
 
+from qlens.modules import QuantExperts, QuantLinear
 from qlens.quant.dequantize import dequantize
-from qlens.quant.modules import QuantExperts, QuantLinear
 
 
 def dequantized_reference(float_model: nn.Module, quantized: nn.Module) -> nn.Module:

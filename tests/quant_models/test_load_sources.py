@@ -14,8 +14,8 @@ from torch import nn
 
 import qlens
 from qlens.bridge import Bridge
-from qlens.quant.modules import QuantExperts, QuantLinear
-from qlens.quant.serialization import load_quantized, save_quantized
+from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.serialization import load_quantized, save_quantized
 from qlens.weights import W_Q
 
 

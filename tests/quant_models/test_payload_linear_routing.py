@@ -1,5 +1,5 @@
-"""Where ``payload_linear`` sends a quantized matmul on an accelerator: the fused kernels, the
-Triton dequantize kernel then cuBLAS, or the torch reference, each said once in the log."""
+"""Where ``qlens.kernels.linear`` sends a quantized matmul on an accelerator: the fused kernels,
+the Triton dequantize kernel then cuBLAS, or the torch reference, each said once in the log."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import logging
 import pytest
 import torch
 
-import qlens.kernels
+import qlens
+import qlens.kernels.dequant as dequant_module
+import qlens.kernels.plan as plan
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.runtime import interpreting
 from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs.gguf import Q4_1
-from qlens.quant.modules import dispatch
 from qlens.quant.quantize import quantize_weight
+
+META = torch.device("meta")
 
 
 def _q4_1(n: int = 8, k: int = 64) -> qlens.QuantPayload:
@@ -25,29 +28,10 @@ def _q4_1(n: int = 8, k: int = 64) -> qlens.QuantPayload:
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The kernel entry points called, each replaced by a recorder; the meta device counts as a
-    kernel device."""
-    calls: list[str] = []
-    monkeypatch.setattr(dispatch, "_WARNED", set())
-    monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
-    monkeypatch.setattr(
-        qlens.kernels, "supports", lambda payload, device: payload.format.name == "int4"
-    )
-
-    def recorder(name: str):
-        def call(x, payload, bias=None):
-            calls.append(name)
-            return torch.empty(*x.shape[:-1], payload.shape[0], device=x.device)
-
-        return call
-
-    for name in ("quantized_linear", "dequantized_linear", "reference_linear"):
-        monkeypatch.setattr(qlens.kernels, name, recorder(name))
-    return calls
-
-
-ACTIVATIONS = torch.empty(2, 64, device="meta")
+def accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meta device counts as a kernel device; the log starts empty."""
+    monkeypatch.setattr(plan, "_WARNED", set())
+    monkeypatch.setattr(plan, "kernel_device_problem", lambda device: None)
 
 
 def test_dequantize_kernel_coverage():
@@ -55,23 +39,45 @@ def test_dequantize_kernel_coverage():
     assert has_dequantize_kernel(quantize_weight(torch.randn(8, 64), "int4", group_size=32))
 
 
-def test_fused_kernels_first_then_dequantize_kernel(calls, caplog):
+def test_fused_kernels_first_then_dequantize_kernel(accelerator, caplog):
     with caplog.at_level(logging.WARNING):
-        dispatch.payload_linear(ACTIVATIONS, quantize_weight(torch.randn(8, 64), "int4"))
-        dispatch.payload_linear(ACTIVATIONS, _q4_1())
-    assert calls == ["quantized_linear", "dequantized_linear"]
+        fused = plan.plan_for(quantize_weight(torch.randn(8, 64), "int4"), META)
+        dequantized = plan.plan_for(_q4_1(), META)
+    assert (fused.route, dequantized.route) == ("kernel", "dequantize")
+    assert fused.view is not None and dequantized.view is None
     assert not caplog.records  # neither is the slow reference
 
 
-def test_refused_layout_falls_back_to_the_reference_and_says_why(calls, monkeypatch, caplog):
-    def refuse(x, payload, bias=None):
+def test_the_cpu_takes_the_reference_silently(caplog):
+    with caplog.at_level(logging.WARNING):
+        chosen = plan.plan_for(quantize_weight(torch.randn(8, 64), "int4"), torch.device("cpu"))
+    assert chosen.route == "reference" and not caplog.records
+
+
+def test_plans_are_kept_until_the_payload_changes(accelerator):
+    payload = quantize_weight(torch.randn(8, 64), "int4")
+    first = plan.plan_for(payload, META)
+    assert plan.plan_for(payload, META) is first
+    assert plan.plan_for(payload, torch.device("cpu")) is not first  # one plan per device
+    payload.scales = payload.scales.clone()
+    assert plan.plan_for(payload, META) is not first
+
+
+def test_refused_layout_falls_back_to_the_reference_and_says_why(accelerator, monkeypatch, caplog):
+    def refuse(payload, dtype, *, launch=None, check_values=True):
         raise ValueError("this GGUF payload permutes its input columns")
 
-    monkeypatch.setattr(qlens.kernels, "dequantized_linear", refuse)
+    monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", refuse)
+    x = torch.randn(2, 64)
+    payload = _q4_1()
+    chosen = plan.LinearPlan(payload, META)
     with caplog.at_level(logging.WARNING):
-        dispatch.payload_linear(ACTIVATIONS, _q4_1())
-        dispatch.payload_linear(ACTIVATIONS, _q4_1())
-    assert calls == ["reference_linear", "reference_linear"]
+        got = chosen(x)
+        again = chosen(x)
+        plan.LinearPlan(_q4_1(), META)(x)
+    assert chosen.route == "reference"
+    expected = qlens.kernels.reference_linear(x, payload)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
     assert len(caplog.records) == 1  # once per format and reason
     assert "permutes its input columns" in caplog.records[0].getMessage()
     assert "gguf_q4_1" in caplog.records[0].getMessage()
@@ -80,10 +86,10 @@ def test_refused_layout_falls_back_to_the_reference_and_says_why(calls, monkeypa
 @pytest.mark.skipif(
     not interpreting(), reason="runs the kernel on CPU tensors (TRITON_INTERPRET=1)"
 )
-def test_dequantized_linear_checks_values_once_per_payload(monkeypatch):
+@pytest.mark.parametrize("entry", ["dequantized_linear", "plan"])
+def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     """In Triton's interpreter: exact against the reference, and the value checks (a device sync
     each) run on the first call and again only after the payload's tensors change."""
-    import qlens.kernels.dequant as dequant_module
     from qlens.kernels.dispatch import dequantized_linear
     from qlens.kernels.reference import reference_linear
 
@@ -94,13 +100,20 @@ def test_dequantized_linear_checks_values_once_per_payload(monkeypatch):
         seen.append(check_values)
         return kernel(payload, dtype, launch=launch, check_values=check_values)
 
+    def run(x, payload):
+        if entry == "dequantized_linear":
+            return dequantized_linear(x, payload)
+        return plan.cached_on_payload(
+            payload, "dequantize_plan", lambda p: plan.LinearPlan(p, x.device, "dequantize")
+        )(x)
+
     monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", spy)
     payload = _q4_1(16, 64)
     x = torch.randn(3, 64)
     expected = reference_linear(x.double(), payload)
     for _ in range(3):
-        got = dequantized_linear(x, payload)
+        got = run(x, payload)
         assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-6
     payload.data = payload.data.clone()
-    dequantized_linear(x, payload)
+    run(x, payload)
     assert seen == [True, False, False, True]

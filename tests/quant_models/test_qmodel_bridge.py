@@ -8,8 +8,8 @@ from dequantized_reference import dequantized_reference
 from tiny_models import input_ids, make_model
 
 from qlens.bridge import Bridge
-from qlens.quant.model_quantize import quantize
-from qlens.quant.modules import QuantLinear
+from qlens.modules import QuantLinear
+from qlens.modules.model_quantize import quantize
 
 # One scheme per family, so every scheme runs through the bridge once.
 CASES = [

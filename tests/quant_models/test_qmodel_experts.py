@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_models import make_model
 
+from qlens.modules import ExpertGate, QuantExperts
+from qlens.modules.model_quantize import quantize
 from qlens.quant.dequantize import dequantize
-from qlens.quant.model_quantize import quantize
-from qlens.quant.modules import ExpertGate, QuantExperts
-from qlens.quant.modules.expert_payloads import select_expert
+from qlens.quant.expert_payloads import select_expert
 from qlens.quant.quantize import quantize_weight
 
 
@@ -56,7 +56,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     """Few (token, route) rows on an accelerator take one experts-GEMV launch per projection
     (faked here: the interpreter runs the kernels on CPU tensors); same result as the loop, and
     no host-side check of the (clamped) expert ids."""
-    import qlens.quant.modules.dispatch as dispatch_module
+    import qlens.modules.dispatch as dispatch_module
 
     model = make_model(family)
     quantized = quantize(model, scheme).get_submodule("model.layers.0.mlp.experts")
@@ -73,7 +73,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
 
 def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
     from qlens.kernels.experts import FUSED_EXPERT_ROWS
-    from qlens.quant.modules.dispatch import experts_in_one_launch
+    from qlens.modules.dispatch import experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     assert not experts_in_one_launch((payload,), torch.randn(2, 64), 2)  # CPU: reference path
@@ -85,8 +85,8 @@ def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
 def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
     import dataclasses
 
-    monkeypatch.setattr("qlens.kernels.runtime.kernel_device_problem", lambda device: None)
-    from qlens.quant.modules.dispatch import experts_in_one_launch
+    monkeypatch.setattr("qlens.kernels.experts.kernel_device_problem", lambda device: None)
+    from qlens.modules.dispatch import experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     meta = torch.empty(2, 64, device="meta")

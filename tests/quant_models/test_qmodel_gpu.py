@@ -7,7 +7,9 @@ import torch
 from tiny_models import input_ids, make_model
 
 import qlens.kernels
-from qlens.quant.model_quantize import SCHEMES, quantize
+import qlens.kernels.dispatch
+import qlens.kernels.plan
+from qlens.modules.model_quantize import SCHEMES, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -22,7 +24,7 @@ def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
     with torch.no_grad():
         expected = quantized(ids).logits  # CPU: torch reference (patched out below)
     calls = []
-    kernel = qlens.kernels.quantized_linear
+    kernel = qlens.kernels.dispatch.launch_kernel
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -31,8 +33,8 @@ def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
     def no_fallback(x, payload, bias=None):
         raise AssertionError(f"{payload.format.name} payload fell back to the torch reference")
 
-    monkeypatch.setattr(qlens.kernels, "quantized_linear", counted)
-    monkeypatch.setattr(qlens.kernels, "reference_linear", no_fallback)
+    monkeypatch.setattr(qlens.kernels.dispatch, "launch_kernel", counted)
+    monkeypatch.setattr(qlens.kernels.plan, "reference_linear", no_fallback)
     quantized.to("cuda")
     with torch.no_grad():
         got = quantized(ids.cuda()).logits.cpu()
@@ -50,10 +52,10 @@ def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
 def test_dequantize_only_formats_take_the_triton_dequantize_then_cublas() -> None:
     """GGUF Q4_1 has a dequantize kernel but no fused linear: on the GPU it is decoded by that
     kernel (bit-exact with the codec) and multiplied by cuBLAS, never the torch reference."""
+    from qlens.kernels import linear
     from qlens.kernels.reference import reference_linear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import Q4_1
-    from qlens.quant.modules.dispatch import payload_linear
 
     blocks = torch.randint(0, 256, (96, 256 // 32 * Q4_1.type_size), dtype=torch.uint8)
     halfs = (torch.randn(96 * 256 // 32, 2) * 0.01).to(torch.float16)
@@ -61,6 +63,6 @@ def test_dequantize_only_formats_take_the_triton_dequantize_then_cublas() -> Non
     payload = gguf_payload(blocks, Q4_1.type_id)
     x = torch.randn(5, 256)
     expected = reference_linear(x.double(), payload)
-    got = payload_linear(x.cuda(), payload.to("cuda")).cpu()
+    got = linear(x.cuda(), payload.to("cuda")).cpu()
     # float32 weights bit-exact with the codec; cuBLAS fp32 (TF32 off by default) sums in another order.
     assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-6

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qlens.modules import QuantLinear
 from qlens.quant.dequantize import dequantize
-from qlens.quant.modules import QuantLinear
 from qlens.quant.quantize import quantize_weight
 
 SCHEMES = ["fp8-block", "mxfp8", "mxfp4", "nvfp4", "int4", "int8"]

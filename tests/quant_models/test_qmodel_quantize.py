@@ -10,8 +10,8 @@ from dequantized_reference import dequantized_reference
 from tiny_models import input_ids, make_model
 from torch import nn
 
-from qlens.quant.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
-from qlens.quant.modules import QuantExperts, QuantLinear
+from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.model_quantize import DEFAULT_SKIP, SCHEMES, quantize
 
 FAMILIES = ["llama", "qwen3", "gpt2", "mixtral", "qwen3_moe", "gpt_oss"]
 # The reference runs the same fp32 math on the same dequantized weights; only summation order
@@ -113,7 +113,7 @@ def test_quantizer_options_reach_every_layer(scheme: str, options: dict) -> None
 
 
 def test_logs_what_was_swapped_and_what_was_kept(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="qlens.quant.model_quantize"):
+    with caplog.at_level(logging.INFO, logger="qlens.modules.model_quantize"):
         quantize(make_model("gpt2"), "fp8-block")
     text = caplog.text
     assert "quantized transformer.h.0.attn.c_attn (conv1d)" in text
@@ -166,7 +166,7 @@ def test_experts_with_unknown_gating_are_kept_with_the_reason(
             return gate.square() * up
 
     experts.__class__ = SquaredGateExperts
-    with caplog.at_level(logging.INFO, logger="qlens.quant.model_quantize"):
+    with caplog.at_level(logging.INFO, logger="qlens.modules.model_quantize"):
         quantized = quantize(model, "int8")
     assert isinstance(quantized.model.layers[0].mlp.experts, SquaredGateExperts)
     assert "SquaredGateExperts._apply_gate) is not one qlens reproduces" in caplog.text

@@ -17,7 +17,7 @@ from transformers.integrations.finegrained_fp8 import (
     _dequantize_fp8_weight,
 )
 
-from qlens.quant.reroute import reroute_quantized_modules, restore_own_forward
+from qlens.modules.reroute import reroute_quantized_modules, restore_own_forward
 
 BLOCK = (128, 128)
 OWN_FORWARD_ERROR = r"finegrained-fp8 kernel unavailable"
@@ -108,7 +108,7 @@ def test_fp8_model_runs_through_qlens_and_logs_it(caplog: pytest.LogCaptureFixtu
     ids = input_ids()
     with pytest.raises(ImportError, match=OWN_FORWARD_ERROR), torch.no_grad():
         model(ids)
-    with caplog.at_level(logging.INFO, logger="qlens.quant.reroute"):
+    with caplog.at_level(logging.INFO, logger="qlens.modules.reroute"):
         rerouted = reroute_quantized_modules(model)
     assert rerouted == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.experts"]
     assert "qlens rerouted 2 quantized modules" in caplog.text
@@ -190,7 +190,7 @@ def test_gpt_oss_mxfp4_experts_run_through_qlens() -> None:
 def test_rerouted_experts_in_one_launch_match_without_a_host_check(monkeypatch) -> None:
     """The one-launch experts path of a rerouted module (forced here: the interpreter runs the
     kernels on CPU tensors) matches the reference and reads no expert ids on the host."""
-    import qlens.quant.modules.dispatch as dispatch_module
+    import qlens.modules.dispatch as dispatch_module
 
     model, reference = _mxfp4_gpt_oss()
     reroute_quantized_modules(model)

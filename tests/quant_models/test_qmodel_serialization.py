@@ -10,9 +10,9 @@ import torch
 from tiny_models import input_ids, make_model
 from torch import nn
 
-from qlens.quant.model_quantize import quantize
-from qlens.quant.modules import QuantExperts, QuantLinear
-from qlens.quant.serialization import MANIFEST_FILE, load_quantized, save_quantized
+from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.model_quantize import quantize
+from qlens.modules.serialization import MANIFEST_FILE, load_quantized, save_quantized
 
 
 def _logits(model: nn.Module) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from links import browser_links
 from pngs import inline_pngs
 
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 from qlens.viz import AttentionExplorer
 from qlens.viz.arrays import decode_float16, decode_unit_uint8
 

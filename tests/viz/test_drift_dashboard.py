@@ -8,7 +8,7 @@ from links import browser_links
 from pngs import inline_pngs
 
 from qlens.analysis import quantization_drift
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 from qlens.viz import DriftDashboard
 from qlens.viz.drift import read_drift
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 from qlens.quant.quantize import quantize_weight
 from qlens.viz import render_bridge_html, render_cache_html, render_payload_html
 

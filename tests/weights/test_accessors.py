@@ -9,7 +9,7 @@ from arch_models import ARCHS, perturbed_model
 
 import qlens
 from qlens.bridge import Bridge
-from qlens.quant.model_quantize import quantize
+from qlens.modules.model_quantize import quantize
 from qlens.weights import accessors as A
 
 # Families whose hook_q/hook_k are the plain projections: before rotary and q/k norms, as in

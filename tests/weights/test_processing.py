@@ -144,8 +144,8 @@ def test_scans_three_dimensional_experts():
     ("arch", "scheme"), [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4")]
 )
 def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, scheme):
-    from qlens.quant.model_quantize import quantize
-    from qlens.quant.modules import QuantExperts
+    from qlens.modules import QuantExperts
+    from qlens.modules.model_quantize import quantize
 
     float_model = perturbed_model(arch)
     options = {"group_size": 32} if scheme == "int8" else {}

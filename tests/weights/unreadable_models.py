@@ -107,7 +107,7 @@ def _torchao_int8(linear: nn.Linear) -> nn.Module:
 
 
 def _qlens_mxfp4(linear: nn.Linear) -> nn.Module:
-    from qlens.quant.modules import QuantLinear
+    from qlens.modules import QuantLinear
     from qlens.quant.quantize import quantize_weight
 
     return QuantLinear(quantize_weight(linear.weight.detach(), "mxfp4"))

@@ -198,7 +198,7 @@ def test_qlens_load_keeps_modules_packed_through_forwards(tmp_path, preset, form
 
 def test_restoring_the_own_forward_gives_back_the_library_route(tmp_path):
     import qlens
-    from qlens.quant.reroute import restore_own_forward
+    from qlens.modules.reroute import restore_own_forward
 
     bridge = qlens.load(_llama_checkpoint(tmp_path, "W8A16"))
     model = bridge.model

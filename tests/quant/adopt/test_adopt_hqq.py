@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 hqq_quantize = pytest.importorskip("hqq.core.quantize")
 
 import qlens  # noqa: E402
-from qlens.quant.adopt import adopt_module, is_quantized_module, to_quant_linears  # noqa: E402
+from qlens.modules.convert import to_quant_linears  # noqa: E402
+from qlens.quant.adopt import adopt_module, is_quantized_module  # noqa: E402
 from qlens.quant.dequantize import dequantize  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
 from qlens.weights import W_Q  # noqa: E402

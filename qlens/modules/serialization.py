@@ -11,7 +11,6 @@ what the saved one did.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qlens.quant.formats import QuantFormat
-from qlens.quant.modules import ExpertGate, QuantExperts, QuantLinear
-from qlens.quant.modules.payload_buffers import PayloadModule, PayloadSpec, buffer_name
+from qlens.modules import ExpertGate, QuantExperts, QuantLinear
+from qlens.modules.payload_buffers import PayloadModule, PayloadSpec, buffer_name
 from qlens.quant.payload import QuantPayload
 
 MANIFEST_FILE = "qlens_quantized.json"
@@ -175,7 +173,7 @@ def _deduplicated(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 def _module_entry(module: PayloadModule) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "kind": type(module).__name__,
-        "payloads": {p: _spec_to_json(s) for p, s in module.payload_specs().items()},
+        "payloads": {p: s.to_json() for p, s in module.payload_specs().items()},
     }
     if isinstance(module, QuantExperts):
         entry["gate"] = module.gate.to_dict()
@@ -184,21 +182,10 @@ def _module_entry(module: PayloadModule) -> dict[str, Any]:
     return entry
 
 
-def _spec_to_json(spec: PayloadSpec) -> dict[str, Any]:
-    return {
-        "format": asdict(spec.format),
-        "shape": list(spec.shape),
-        "layout": spec.layout,
-        "present": list(spec.present),
-        "extras": list(spec.extras),
-    }
-
-
 def _payload(
-    path: str, prefix: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor]
+    path: str, prefix: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor]
 ) -> QuantPayload:
-    fmt = dict(spec["format"])
-    fmt["block"] = tuple(fmt["block"])
+    spec = PayloadSpec.from_json(entry)
 
     def take(name: str) -> torch.Tensor:
         key = f"{path}.{buffer_name(prefix, name)}"
@@ -206,14 +193,7 @@ def _payload(
             raise ValueError(f"the saved weights lack {key}, needed by the quantized module {path}")
         return tensors[key]
 
-    return QuantPayload(
-        format=QuantFormat(**fmt),
-        data=take("data"),
-        shape=tuple(spec["shape"]),
-        layout=dict(spec["layout"]),
-        extras={k: take(f"extra.{k}") for k in spec["extras"]},
-        **{n: take(n) for n in spec["present"]},
-    )
+    return spec.build([take(n) for n in spec.tensor_names])
 
 
 def _rebuild_module(

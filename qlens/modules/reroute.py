@@ -20,20 +20,24 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from qlens.kernels.ops import compiled_linear
+from qlens.kernels.plan import linear
+from qlens.modules.dispatch import (
+    check_payload_device,
+    fused_experts_forward,
+    traced_experts_forward,
+)
+from qlens.modules.expert_gate import ExpertGate
 from qlens.quant.adopt.compressed_tensors import (
     detach_decompress_hook,
     is_compressed_tensors_module,
     reattach_decompress_hook,
 )
-from qlens.quant.modules.dispatch import (
-    check_payload_device,
-    fused_experts_forward,
-    payload_linear,
-)
-from qlens.quant.modules.expert_gate import ExpertGate
 from qlens.quant.payload import QuantPayload
+from qlens.quant.payload_spec import PayloadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +182,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
 
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
-    holders = [v for v in vars(module).values() if not isinstance(v, _PLAIN)]
+    holders = [v for k, v in vars(module).items() if k != _TRACED and not isinstance(v, _PLAIN)]
     key = (
         tuple((t.data_ptr(), t.device, t._version) for t in tensors),
         tuple(id(v) for v in holders),
@@ -188,20 +192,53 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
         return cached[1]  # type: ignore[return-value]
     payloads = adopt_module(module)
     _ADOPTED[module] = (key, payloads)
+    module.__dict__[_TRACED] = _op_arguments(payloads)
     return payloads
 
 
+# The adopted payloads as the custom ops take them (tensors, spec key), kept on the module by
+# each adoption: what a forward traced by torch.compile reads (the tensors become graph inputs).
+_TRACED = "_qlens_adopted_for_ops"
+OpArguments = tuple[list[Tensor], str, int]  # tensors, spec key, leading size
+
+
+def _op_arguments(
+    payloads: QuantPayload | dict[str, QuantPayload],
+) -> OpArguments | dict[str, OpArguments]:
+    def one(p: QuantPayload) -> OpArguments:
+        return list(p.tensors().values()), PayloadSpec.of(p).key, int(p.shape[0])
+
+    return one(payloads) if isinstance(payloads, QuantPayload) else {
+        name: one(p) for name, p in payloads.items()
+    }  # fmt: skip
+
+
+def _traced_adoption(module: nn.Module) -> Any:
+    """The kept op arguments (adopting first when no eager call did yet)."""
+    kept = module.__dict__.get(_TRACED)
+    if kept is None:
+        _adopted(module)
+        kept = module.__dict__[_TRACED]
+    return kept
+
+
 def _linear_forward(self: Any, x: Tensor) -> Tensor:
+    bias = getattr(self, "bias", None)
+    if torch.compiler.is_compiling():
+        tensors, key, _ = _traced_adoption(self)
+        return compiled_linear(x, tensors, key, bias)
     payload = _adopted(self)
     if not isinstance(payload, QuantPayload):
         raise TypeError(f"adopting {type(self).__name__} gave {sorted(payload)}, not one payload")
     check_payload_device(payload, x, type(self).__name__)
-    return payload_linear(x, payload, getattr(self, "bias", None))
+    return linear(x, payload, bias)
 
 
 def _experts_forward(
     self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
+    if torch.compiler.is_compiling():
+        return _traced_experts(self, hidden_states, top_k_index, top_k_weights)
     payloads = _adopted(self)
     if not isinstance(payloads, dict):
         raise TypeError(f"adopting {type(self).__name__} gave one payload, not one per projection")
@@ -215,6 +252,21 @@ def _experts_forward(
     return fused_experts_forward(
         hidden_states, top_k_index, top_k_weights, first, down, first_bias, down_bias, activate
     )
+
+
+def _traced_experts(
+    self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    kept = _traced_adoption(self)
+    has_gate = "gate_up_proj" in kept
+    down_tensors, down_key, _ = kept["down_proj"]
+    return traced_experts_forward(
+        hidden_states, top_k_index, top_k_weights, kept["gate_up_proj" if has_gate else "up_proj"],
+        (down_tensors, down_key),
+        getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None),
+        getattr(self, "down_proj_bias", None),
+        _gate_fn(self) if has_gate else self.act_fn,
+    )  # fmt: skip
 
 
 def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
 from qlens.kernels import LinearConfig, quantized_linear
-from qlens.kernels.decode_fast import (
+from qlens.kernels.dispatch import default_config
+from qlens.kernels.gemv import permute_codes, word_view
+from qlens.kernels.packed_gemv import (
     E2M1_FP16_FACTOR,
     E2M1_MAGNITUDE_MASK,
     E2M1_PAIR_SHIFTS,
@@ -19,7 +21,6 @@ from qlens.kernels.decode_fast import (
     INT4_MAGIC_BITS,
     e2m1_word_asm,
 )
-from qlens.kernels.gemv import permute_codes, word_view
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.codecs.elements import decode_e2m1
 from qlens.quant.dequantize import dequantize
@@ -160,17 +161,30 @@ def test_rows_that_are_not_whole_words_take_the_byte_kernel():
     assert rel_err(out, _reference(x, payload)) < TOLERANCE[torch.float32]
 
 
+def _spy(fn, calls, label):
+    def wrapped(*args, **kwargs):
+        calls.append(label)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def test_word_kernel_is_the_default_and_can_be_turned_off(monkeypatch):
     import qlens.kernels.gemv as gemv
 
     payload = quantized(40, 328, FAMILIES[0])
     x = torch.randn(3, 328)
-    monkeypatch.delenv(gemv.WORD_GEMV_ENV, raising=False)
     assert word_view(kernel_weight(payload)) is not None
+    assert default_config(payload, 3, x.device).words
+    launched = []
+    monkeypatch.setattr(gemv, "_packed_gemv", _spy(gemv._packed_gemv, launched, "word"))
+    monkeypatch.setattr(gemv, "_byte_gemv", _spy(gemv._byte_gemv, launched, "byte"))
     word = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
-    monkeypatch.setenv(gemv.WORD_GEMV_ENV, "0")  # the byte-wise kernel, for comparisons
-    assert word_view(kernel_weight(payload)) is None
-    byte = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
+    # the byte-wise kernel, for comparisons
+    byte_config = LinearConfig("gemv", 16, 16, 64, words=False)
+    assert default_config(payload, 3, x.device, words=False).words is False
+    byte = quantized_linear(x, payload, config=byte_config)
+    assert launched == ["word", "byte"]
     reference = _reference(x, payload)
     assert rel_err(word, reference) < TOLERANCE[torch.float32]
     assert rel_err(byte, reference) < TOLERANCE[torch.float32]

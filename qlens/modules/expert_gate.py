@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 
 GATE_LAYOUTS = ("stacked", "interleaved")
 
@@ -26,18 +25,19 @@ class ExpertGate:
     activation: str
     alpha: float | None = None
     limit: float | None = None
+    _act: ClassVar[Any]  # the activation module, set per instance (not a field)
 
     def __post_init__(self) -> None:
         if self.layout not in GATE_LAYOUTS:
             raise ValueError(f"gate layout must be one of {GATE_LAYOUTS}; got {self.layout!r}")
-        if self.activation == "clamped_swiglu" and (self.alpha is None or self.limit is None):
-            raise ValueError("the clamped_swiglu gate needs both alpha and limit")
+        if self.activation == "clamped_swiglu":
+            if self.alpha is None or self.limit is None:
+                raise ValueError("the clamped_swiglu gate needs both alpha and limit")
+        else:
+            from transformers.activations import ACT2FN
 
-    @cached_property
-    def _act(self) -> nn.Module:
-        from transformers.activations import ACT2FN
-
-        return ACT2FN[self.activation]
+            # Looked up once here, not on first use: torch.compile traces ``apply``.
+            object.__setattr__(self, "_act", ACT2FN[self.activation])
 
     def split(
         self, gate_up: Float[Tensor, "*batch two_i"]

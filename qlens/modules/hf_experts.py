@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from qlens.quant.modules.expert_gate import ExpertGate
+from qlens.modules.expert_gate import ExpertGate
 
 
 @dataclass

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from qlens.kernels.decode import INT4_C, _expand, _group_values, _scales, _tile_groups
-from qlens.kernels.linear import _dot_acc
 from qlens.kernels.splits import store_tile
+from qlens.kernels.weight_only import _dot_acc
 
 # Per register pair p (codes p and p + 4 of a word): left shifts (negative: right) that move the
 # magnitude bits to fp16 bits 11..9 and the sign to bit 15 of each 16-bit half.

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qlens.quant.modules import QuantExperts, QuantLinear
-from qlens.quant.modules.hf_experts import FusedExpertWeights, is_fused_experts, read_fused_experts
+from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.hf_experts import FusedExpertWeights, is_fused_experts, read_fused_experts
 from qlens.quant.payload import QuantPayload
 from qlens.quant.quantize import SCHEMES as QUANTIZER_SCHEMES
 from qlens.quant.quantize import quantize_weight

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, payload_linear
-from qlens.quant.modules.payload_buffers import PayloadModule
+from qlens.kernels.ops import compiled_linear
+from qlens.kernels.plan import linear
+from qlens.modules.dispatch import check_payload_device
+from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (
@@ -22,8 +25,10 @@ class QuantLinear(PayloadModule):
     """``y = x @ W.T + b`` with ``W`` [out, in] held as a :class:`QuantPayload`.
 
     The payload's tensors are buffers (they move with ``.to()``, appear in ``state_dict`` and
-    follow device maps). The forward runs qlens' Triton kernel on a supporting accelerator and the
-    torch reference (dequantize then matmul) elsewhere.
+    follow device maps). The forward runs ``qlens.kernels.linear``: qlens' Triton kernel on a
+    supporting accelerator and the torch reference (dequantize then matmul) elsewhere, with
+    the payload and its launch plan built once and kept until the buffers change. Under
+    ``torch.compile`` it is one ``qlens::linear`` op.
     """
 
     def __init__(self, payload: QuantPayload, bias: Tensor | None = None) -> None:
@@ -62,9 +67,13 @@ class QuantLinear(PayloadModule):
                 f"QuantLinear expects inputs with {self.in_features} features in the last dim; "
                 f"got shape {list(x.shape)}"
             )
+        if torch.compiler.is_compiling():
+            return compiled_linear(
+                x, self.payload_tensors("weight"), self.payload_key("weight"), self.bias
+            )
         payload = self.payload
         check_payload_device(payload, x, "QuantLinear")
-        return payload_linear(x, payload, self.bias)
+        return linear(x, payload, self.bias)
 
     def extra_repr(self) -> str:
         payload = self.payload

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.quant.modules.dispatch import check_payload_device, fused_experts_forward
-from qlens.quant.modules.expert_gate import ExpertGate
-from qlens.quant.modules.expert_payloads import num_experts_of
-from qlens.quant.modules.payload_buffers import PayloadModule
+from qlens.modules.dispatch import (
+    check_payload_device,
+    fused_experts_forward,
+    traced_experts_forward,
+)
+from qlens.modules.expert_gate import ExpertGate
+from qlens.modules.payload_buffers import PayloadModule
+from qlens.quant.expert_payloads import num_experts_of
 from qlens.quant.payload import QuantPayload
 
 
@@ -22,7 +27,7 @@ class QuantExperts(PayloadModule):
     returns ``[T, H]``; the parent block still routes. Payloads use the logical ``[out, in]``
     orientation on every model (GPT-OSS' ``[E, in, out]`` weights are transposed when quantized);
     ``gate`` says how gate and up rows are laid out and combined. Each expert's matmul dispatches
-    like :class:`~qlens.quant.modules.QuantLinear`.
+    like :class:`~qlens.modules.QuantLinear`.
     """
 
     def __init__(
@@ -91,6 +96,13 @@ class QuantExperts(PayloadModule):
                 "QuantExperts needs the routing: call experts(hidden_states, top_k_index, "
                 "top_k_weights) with the indices and weights from the router"
             )
+        if torch.compiler.is_compiling():
+            return traced_experts_forward(
+                hidden_states, index, weights,
+                (self.payload_tensors("gate_up"), self.payload_key("gate_up"), self.num_experts),
+                (self.payload_tensors("down"), self.payload_key("down")),
+                self.gate_up_bias, self.down_bias, self.gate.apply,
+            )  # fmt: skip
         gate_up, down = self.gate_up_payload, self.down_payload
         check_payload_device(gate_up, hidden_states, "QuantExperts")
 

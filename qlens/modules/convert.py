@@ -16,8 +16,8 @@ def to_quant_linears(model: nn.Module) -> list[str]:
 
     Modules holding several weights (fused experts) are left as they are.
     """
-    from qlens.quant.modules import QuantLinear
-    from qlens.quant.modules.payload_buffers import PayloadModule
+    from qlens.modules import QuantLinear
+    from qlens.modules.payload_buffers import PayloadModule
 
     swapped = []
     for name, module in list(model.named_modules()):

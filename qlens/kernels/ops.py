@@ -1,0 +1,147 @@
+"""The ``qlens::`` custom ops: quantized linears as single graph nodes for ``torch.compile``.
+
+Each op takes only tensors, a payload spec key (``PayloadSpec.key``: format, shape and layout as
+one JSON string) and an optional bias, so a module's forward traces with no graph break. The
+CUDA implementation runs the same dispatcher as an eager call (:func:`qlens.kernels.linear`);
+the CPU implementation is the torch reference. ``torch.compile`` specializes on the spec key
+(a constant), so each quantized layer's format and shape is baked into the graph.
+"""
+
+# No ``from __future__ import annotations``: the ops' schemas are read from real annotations.
+
+from collections.abc import Sequence
+
+import torch
+from jaxtyping import Float, Integer
+from torch import Tensor
+
+from qlens.quant.payload_spec import spec_from_key
+
+
+@torch.library.custom_op("qlens::linear", mutates_args=())
+def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
+    """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)``."""
+    from qlens.kernels.plan import linear
+
+    return linear(x, spec_from_key(spec).build(tensors), bias)
+
+
+@linear_op.register_fake
+def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], spec_from_key(spec).shape[0]))
+
+
+@torch.library.custom_op("qlens::linear_backward", mutates_args=())
+def linear_backward_op(grad: Tensor, tensors: list[Tensor], spec: str) -> Tensor:
+    """The input gradient ``grad @ W`` of ``qlens::linear`` (``W`` from the torch dequantize)."""
+    weight = _dequantized(spec, tensors, grad.device)
+    return (grad.float() @ weight).to(grad.dtype)
+
+
+@linear_backward_op.register_fake
+def _linear_backward_fake(grad: Tensor, tensors: list[Tensor], spec: str) -> Tensor:
+    return grad.new_empty((*grad.shape[:-1], spec_from_key(spec).shape[1]))
+
+
+def _linear_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, tensors, spec, bias = inputs
+    ctx.spec, ctx.bias_dtype = spec, None if bias is None else bias.dtype
+    ctx.save_for_backward(*tensors)
+    ctx.no_grads = [None] * len(tensors)
+
+
+def _linear_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    grad_x = torch.ops.qlens.linear_backward(grad, list(ctx.saved_tensors), ctx.spec)
+    grad_bias = None
+    if ctx.bias_dtype is not None:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
+    return grad_x, ctx.no_grads, None, grad_bias
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _dequantized(spec: str, tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    from qlens.quant.dequantize import dequantize
+
+    return dequantize(spec_from_key(spec).build(list(tensors)), torch.float32).to(device)
+
+
+@torch.library.custom_op("qlens::experts_linear", mutates_args=())
+def experts_linear_op(
+    x: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None
+) -> Tensor:
+    """Row ``i`` of ``x`` through expert ``expert_ids[i]`` (in range) of the fused experts
+    payload ``spec_from_key(spec).build(tensors)``, plus that expert's bias row."""
+    from qlens.kernels.experts import rows_through_experts
+
+    return rows_through_experts(x, spec_from_key(spec).build(tensors), expert_ids, bias)
+
+
+@experts_linear_op.register_fake
+def _experts_linear_fake(
+    x: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None
+) -> Tensor:
+    return x.new_empty((x.shape[0], spec_from_key(spec).shape[1]))
+
+
+@torch.library.custom_op("qlens::experts_linear_backward", mutates_args=())
+def experts_linear_backward_op(
+    grad: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str
+) -> Tensor:
+    """The input gradient of ``qlens::experts_linear``: row ``i`` is ``grad[i] @ W[ids[i]]``."""
+    weights = _dequantized(spec, tensors, grad.device)
+    grad_x = grad.new_empty((grad.shape[0], weights.shape[-1]), dtype=torch.float32)
+    for expert in torch.unique(expert_ids).tolist():
+        rows = torch.nonzero(expert_ids == expert).squeeze(1)
+        grad_x[rows] = grad[rows].float() @ weights[expert]
+    return grad_x.to(grad.dtype)
+
+
+@experts_linear_backward_op.register_fake
+def _experts_linear_backward_fake(
+    grad: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str
+) -> Tensor:
+    return grad.new_empty((grad.shape[0], spec_from_key(spec).shape[2]))
+
+
+def _experts_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, expert_ids, tensors, spec, bias = inputs
+    ctx.spec, ctx.bias_dtype = spec, None if bias is None else bias.dtype
+    ctx.num_experts = spec_from_key(spec).shape[0]
+    ctx.save_for_backward(expert_ids, *tensors)
+    ctx.no_grads = [None] * len(tensors)
+
+
+def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    expert_ids, *tensors = ctx.saved_tensors
+    grad_x = torch.ops.qlens.experts_linear_backward(grad, expert_ids, tensors, ctx.spec)
+    grad_bias = None
+    if ctx.bias_dtype is not None:
+        grad_bias = (
+            torch.zeros((ctx.num_experts, grad.shape[-1]), dtype=torch.float32, device=grad.device)
+            .index_add_(0, expert_ids, grad.float())
+            .to(ctx.bias_dtype)
+        )
+    return grad_x, None, ctx.no_grads, None, grad_bias
+
+
+experts_linear_op.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+def compiled_linear(
+    x: Float[Tensor, "*batch k"], tensors: list[Tensor], spec: str, bias: Tensor | None
+) -> Float[Tensor, "*batch n"]:
+    """``qlens::linear`` (what a module's forward calls while ``torch.compile`` traces it)."""
+    return torch.ops.qlens.linear(x, tensors, spec, bias)
+
+
+def compiled_experts_linear(
+    x: Float[Tensor, "rows k"],
+    expert_ids: Integer[Tensor, " rows"],
+    tensors: list[Tensor],
+    spec: str,
+    bias: Tensor | None,
+) -> Float[Tensor, "rows n"]:
+    """``qlens::experts_linear`` (what an experts forward calls while compiling)."""
+    return torch.ops.qlens.experts_linear(x, expert_ids, tensors, spec, bias)

@@ -1,0 +1,159 @@
+"""The one dispatcher: how a payload's linear runs on a device, chosen once, then run per call.
+
+Routes: ``"kernel"`` (qlens' fused Triton kernels), ``"dequantize"`` (a Triton dequantize
+kernel, then cuBLAS: formats with no fused kernel) and ``"reference"`` (torch dequantize, then
+matmul: the CPU, and anything the kernels cannot read). A :class:`LinearPlan` holds the checked
+launch view and the launch chosen per row count, so a call does no payload checks, no table
+walk and no device query.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.dispatch import ACTIVATION_DTYPES
+from qlens.kernels.reference import reference_linear
+from qlens.kernels.runtime import kernel_device_problem
+from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
+from qlens.quant.payload import QuantPayload
+
+logger = logging.getLogger(__name__)
+
+Route = Literal["kernel", "dequantize", "reference"]
+ROUTES = ("kernel", "dequantize", "reference")
+# Launches kept per plan (one per row count seen); beyond this the table starts afresh.
+_MAX_KEPT_CONFIGS = 512
+
+
+def choose_route(payload: QuantPayload, device: torch.device) -> tuple[Route, str | None]:
+    """The route for ``payload`` on ``device`` and, for the reference on an accelerator, why."""
+    if device.type == "cpu":
+        return "reference", None
+    problem = kernel_device_problem(device)
+    if problem is None:
+        if unsupported_reason(payload) is None:
+            return "kernel", None
+        from qlens.kernels.dequant import has_dequantize_kernel
+
+        if has_dequantize_kernel(payload):
+            return "dequantize", None
+    return "reference", problem or unsupported_reason(payload) or "unsupported"
+
+
+class LinearPlan:
+    """``x @ W.T + bias`` for one payload on one device, on the route chosen when built.
+
+    ``route`` overrides the choice (the kernels under ``TRITON_INTERPRET=1`` on the CPU, in
+    tests). Built by :func:`plan_for`, which keeps it on the payload.
+    """
+
+    def __init__(self, payload: QuantPayload, device: torch.device, route: Route | None = None):
+        reason = None
+        if route is None:
+            route, reason = choose_route(payload, device)
+        elif route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.payload = payload
+        self.device = device
+        self.route: Route = route
+        self.view: KernelWeight | None = kernel_weight(payload) if route == "kernel" else None
+        self._configs: dict[int, LinearConfig] = {}
+        self._values_checked = False
+        if route == "reference" and device.type != "cpu":
+            _warn_reference_on_accelerator(payload, device, reason or "unsupported")
+
+    def __call__(
+        self, x: Float[Tensor, "*batch k"], bias: Float[Tensor, " n"] | None = None
+    ) -> Float[Tensor, "*batch n"]:
+        """``x @ W.T + bias``; float64 activations (no kernel reads them) take the reference."""
+        if self.route == "kernel" and x.dtype in ACTIVATION_DTYPES:
+            return self._kernel(x, bias)
+        if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
+            return self._dequantize(x, bias)
+        return reference_linear(x, self.payload, bias)
+
+    def config(self, m: int) -> LinearConfig:
+        """The launch for ``m`` rows (chosen once per row count)."""
+        config = self._configs.get(m)
+        if config is None:
+            from qlens.kernels.dispatch import _weight_config
+
+            assert self.view is not None, "only the kernel route has launches"
+            if len(self._configs) >= _MAX_KEPT_CONFIGS:
+                self._configs.clear()
+            config = self._configs[m] = _weight_config(self.view, m, self.device, False)
+        return config
+
+    def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        from qlens.kernels.dispatch import launch_kernel
+
+        w = self.view
+        assert w is not None
+        x2 = x.reshape(-1, w.k)
+        m = x2.shape[0]
+        if m == 0:
+            return x.new_empty((*x.shape[:-1], w.n))
+        return launch_kernel(x2, w, bias, self.config(m)).reshape(*x.shape[:-1], w.n)
+
+    def _dequantize(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        from qlens.kernels.dequant import dequantize_triton
+
+        if self._values_checked:
+            weight = dequantize_triton(self.payload, x.dtype, check_values=False)
+        else:
+            try:
+                weight = dequantize_triton(self.payload, x.dtype)
+            except ValueError as err:  # a layout the kernel refuses: the reference still runs
+                self.route = "reference"
+                _warn_reference_on_accelerator(self.payload, self.device, str(err))
+                return reference_linear(x, self.payload, bias)
+            self._values_checked = True
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def plan_for(payload: QuantPayload, device: torch.device) -> LinearPlan:
+    """The plan of ``payload`` on ``device``, kept on the payload (``cached_on_payload``): built
+    on the first call and again only when the payload's tensors, format or layout change."""
+    return cached_on_payload(payload, f"plan_{device}", lambda p: LinearPlan(p, device))
+
+
+def linear(
+    x: Float[Tensor, "*batch k"],
+    payload: QuantPayload,
+    bias: Float[Tensor, " n"] | None = None,
+) -> Float[Tensor, "*batch n"]:
+    """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
+
+    The one dispatcher: on an accelerator, the fused kernels (``quantized_linear``) for the
+    formats they read, a Triton dequantize then cuBLAS for formats with only a dequantize kernel
+    (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
+    CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
+    made on the first call and kept on the payload.
+    """
+    return plan_for(payload, x.device)(x, bias)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_reference_on_accelerator(
+    payload: QuantPayload, device: torch.device, reason: str
+) -> None:
+    """Say once per format and reason that an accelerator runs the slow reference path."""
+    key = (payload.format.name, reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            "qlens runs %s weights on %s with the torch reference (dequantize, then matmul), "
+            "not its Triton kernels: %s",
+            payload.format.name,
+            device,
+            reason,
+        )

@@ -1,0 +1,93 @@
+"""The modules' forward: eager calls go to ``qlens.kernels.linear``, traced ones to the ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from jaxtyping import Float, Integer
+from torch import Tensor
+
+from qlens.kernels.experts import expert_views, experts_in_one_launch, experts_linear
+from qlens.kernels.ops import compiled_experts_linear
+from qlens.kernels.plan import linear
+from qlens.modules.routing import route_to_experts
+from qlens.quant.expert_payloads import num_experts_of
+from qlens.quant.payload import QuantPayload
+
+
+def fused_experts_forward(
+    hidden_states: Float[Tensor, "tokens hidden"],
+    top_k_index: Integer[Tensor, "tokens k"],
+    top_k_weights: Float[Tensor, "tokens k"],
+    first: QuantPayload,
+    down: QuantPayload,
+    first_bias: Float[Tensor, "experts inner"] | None,
+    down_bias: Float[Tensor, "experts hidden"] | None,
+    activate: Callable[[Tensor], Tensor],
+) -> Float[Tensor, "tokens hidden"]:
+    """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads for every routed
+    (token, expert) pair, weighted and summed as ``route_to_experts`` does (ids outside
+    ``[0, experts of first)`` skipped).
+
+    Few rows on an accelerator run each projection in one launch (``experts_in_one_launch``),
+    with no host sync: the routing clamps the ids. Otherwise each hit expert runs its two
+    linears (``qlens.kernels.linear`` on the expert's kept payload view).
+    """
+    num_experts = num_experts_of(first)
+    firsts, downs = expert_views(first), expert_views(down)
+
+    def expert_fn(expert: int, x: Tensor) -> Tensor:
+        h = linear(x, firsts[expert], _row(first_bias, expert))
+        return linear(activate(h), downs[expert], _row(down_bias, expert))
+
+    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+        h = experts_linear(x, first, ids, first_bias, ids_in_range=True)
+        return experts_linear(activate(h), down, ids, down_bias, ids_in_range=True)
+
+    one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
+    return route_to_experts(
+        hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,
+        rows_fn if one_launch else None,
+    )  # fmt: skip
+
+
+def traced_experts_forward(
+    hidden_states: Float[Tensor, "tokens hidden"],
+    top_k_index: Integer[Tensor, "tokens k"],
+    top_k_weights: Float[Tensor, "tokens k"],
+    first: tuple[list[Tensor], str, int],
+    down: tuple[list[Tensor], str],
+    first_bias: Float[Tensor, "experts inner"] | None,
+    down_bias: Float[Tensor, "experts hidden"] | None,
+    activate: Callable[[Tensor], Tensor],
+) -> Float[Tensor, "tokens hidden"]:
+    """``fused_experts_forward`` as ``torch.compile`` traces it: every (token, route) row at once
+    through the ``qlens::experts_linear`` op, no data-dependent Python. ``first`` and ``down``
+    are (payload tensors, spec key[, number of experts])."""
+    (first_tensors, first_key, num_experts), (down_tensors, down_key) = first, down
+
+    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+        h = compiled_experts_linear(x, ids, first_tensors, first_key, first_bias)
+        return compiled_experts_linear(activate(h), ids, down_tensors, down_key, down_bias)
+
+    return route_to_experts(
+        hidden_states, top_k_index, top_k_weights, num_experts, _unused_expert_fn, rows_fn
+    )
+
+
+def _unused_expert_fn(expert: int, x: Tensor) -> Tensor:
+    raise AssertionError("route_to_experts runs rows_fn when given one")
+
+
+def _row(bias: Tensor | None, expert: int) -> Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def check_payload_device(payload: QuantPayload, x: torch.Tensor, owner: str) -> None:
+    """Raise when the activations and the packed weight live on different devices."""
+    if payload.device != x.device:
+        raise RuntimeError(
+            f"{owner}: input is on {x.device} but its quantized weight is on {payload.device}; "
+            f"move the model with .to({str(x.device)!r}) or the input to {str(payload.device)!r}"
+        )

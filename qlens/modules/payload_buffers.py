@@ -1,0 +1,103 @@
+"""Keep a QuantPayload's tensors as module buffers, so ``.to()``, state_dict and device maps see them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from qlens.quant.payload import QuantPayload
+from qlens.quant.payload_spec import PayloadSpec
+
+__all__ = ["PayloadModule", "PayloadSpec", "buffer_name"]
+
+
+def buffer_name(prefix: str, tensor_name: str) -> str:
+    """Buffer holding one payload tensor: ``{prefix}_data``, ``{prefix}_scales``, ``{prefix}_extra_<k>``."""
+    return f"{prefix}_{tensor_name.replace('.', '_')}"
+
+
+class PayloadModule(nn.Module):
+    """Base of modules whose quantized weights live in payloads registered as buffers.
+
+    Payload buffers follow device moves but keep their dtype: ``model.to(torch.bfloat16)`` or
+    ``.half()`` casts biases and other float tensors, never packed data or scales (an fp8 weight
+    or an fp32 scale cast to bf16 would silently change the weight).
+
+    The payload built on the buffers is kept (with the launch plans the kernels keep on it) and
+    rebuilt only when the buffers change: ``.to()``/``_apply``, ``load_state_dict``, or a buffer
+    replaced in place of another (device maps and offloading hooks do that).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._payload_specs: dict[str, PayloadSpec] = {}
+        self._payload_keys: dict[str, str] = {}
+        self._payload_buffers: dict[str, tuple[str, ...]] = {}
+        self._prepared: dict[str, tuple[tuple[torch.Tensor, ...], QuantPayload]] = {}
+
+    def register_payload(self, prefix: str, payload: QuantPayload) -> None:
+        """Register every tensor of ``payload`` as a persistent buffer under ``prefix``."""
+        spec = PayloadSpec.of(payload)
+        self._payload_specs[prefix] = spec
+        self._payload_keys[prefix] = spec.key
+        self._payload_buffers[prefix] = tuple(buffer_name(prefix, n) for n in spec.tensor_names)
+        self.forget_prepared()
+        for name, tensor in payload.tensors().items():
+            self.register_buffer(buffer_name(prefix, name), tensor)
+
+    def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
+        """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
+        return [self._payload_buffer(name) for name in self._payload_buffers[prefix]]
+
+    def payload_key(self, prefix: str) -> str:
+        """The ``PayloadSpec.key`` of the payload under ``prefix`` (what the custom ops take)."""
+        return self._payload_keys[prefix]
+
+    def payload_for(self, prefix: str) -> QuantPayload:
+        """The payload registered under ``prefix``, on the buffers as they are now."""
+        spec = self._payload_specs[prefix]
+        buffers = self._buffers
+        names = self._payload_buffers[prefix]
+        kept = self._prepared.get(prefix)
+        if kept is not None and all(buffers[n] is t for n, t in zip(names, kept[0], strict=True)):
+            return kept[1]
+        tensors = tuple(self.payload_tensors(prefix))
+        payload = spec.build(tensors)
+        self._prepared[prefix] = (tensors, payload)
+        return payload
+
+    def _payload_buffer(self, name: str) -> torch.Tensor:
+        tensor = self._buffers[name]
+        if tensor is None:
+            raise RuntimeError(f"payload buffer {name} was set to None")
+        return tensor
+
+    def payload_specs(self) -> dict[str, PayloadSpec]:
+        """The non-tensor description of each registered payload, by prefix."""
+        return dict(self._payload_specs)
+
+    def forget_prepared(self) -> None:
+        """Drop the kept payloads and their launch plans (rebuilt on the next forward)."""
+        self._prepared.clear()
+
+    def _payload_buffer_names(self) -> list[str]:
+        return [name for names in self._payload_buffers.values() for name in names]
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> PayloadModule:
+        originals = {name: self._buffers[name] for name in self._payload_buffer_names()}
+        super()._apply(fn, recurse)
+        for name, original in originals.items():
+            moved = self._buffers[name]
+            if original is not None and moved is not None and moved.dtype != original.dtype:
+                self._buffers[name] = original.to(device=moved.device)
+        self.forget_prepared()
+        return self
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.forget_prepared()
