@@ -13,6 +13,7 @@ from qlens.kernels.dequant_bitnet import BITNET_FORMATS, dequantize_bitnet_trito
 from qlens.kernels.dequant_bnb import BNB_FORMATS, dequantize_bnb_triton
 from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
 from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -68,6 +69,9 @@ def _dequant_kernel(
         cast_out(w, out_ptr.dtype.element_ty, INTERPRET),
         mask=mask,
     )
+
+
+_DEQUANT = FastLaunch(_dequant_kernel)
 
 
 # GPU default: the best tile overall of the sweep in benchmarks/results/dequant_h200.md (H200,
@@ -139,8 +143,8 @@ def dequantize_view(
     block_n, block_k = tile.block_n, tile.block_k
     grid = k_first_grid(w.n, w.k, block_n, block_k)
     with on_device(out.device):
-        _dequant_kernel[grid](
-            *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
+        _DEQUANT.launch(
+            grid, *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
             **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
         )  # fmt: skip
     return out

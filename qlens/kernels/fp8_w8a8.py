@@ -11,6 +11,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig, require_tile_sizes
 from qlens.kernels.decode import e8m0_to_f32
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
@@ -54,6 +55,9 @@ def _act_quant_kernel(
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, scale, mask=s_mask)
 
 
+_ACT_QUANT = FastLaunch(_act_quant_kernel)
+
+
 # Activation-quantization program on a GPU: rows by groups.
 ACT_QUANT_BLOCK_M = 16
 ACT_QUANT_GROUPS = 1
@@ -84,8 +88,8 @@ def quantize_activations(
     require_tile_sizes(1, block_m=block_m, groups=groups)
     grid = (ceil_div(m, block_m), ceil_div(n_groups, groups))
     with on_device(x.device):
-        _act_quant_kernel[grid](
-            x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
+        _ACT_QUANT.launch(
+            grid, x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
             scales.stride(1), GROUP=group, BLOCK_M=block_m, GROUPS=groups,
             INTERPRET=interpreting(),
         )  # fmt: skip
@@ -140,6 +144,9 @@ def _fp8_block_gemm_kernel(
                pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
+_FP8_BLOCK_GEMM = FastLaunch(_fp8_block_gemm_kernel)
+
+
 def fp8_block_w8a8_linear(
     x: Float[Tensor, "m k"],
     w: KernelWeight,
@@ -163,7 +170,8 @@ def fp8_block_w8a8_linear(
     target = split_target(out, split)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
-        _fp8_block_gemm_kernel[(tiles, split)](
+        _FP8_BLOCK_GEMM.launch(
+            (tiles, split),
             a.view(torch.uint8), a_scales, w.data.view(torch.uint8), w.scales, bias_arg, out,
             target.partials,
             m, n, k, a.stride(0), a_scales.stride(0), a_scales.stride(1), w.data.stride(0),

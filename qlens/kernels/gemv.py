@@ -20,6 +20,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.runtime import interpreting
@@ -27,6 +28,8 @@ from qlens.kernels.splits import SplitTarget, split_target, store_tile
 from qlens.kernels.weight_only import weight_only_linear
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
+
+PACKED_GEMV = FastLaunch(packed_gemv_kernel)
 
 
 @triton.jit
@@ -73,6 +76,9 @@ def _gemv_kernel(
     total = tl.sum(acc, axis=1)
     store_tile(total[None, :], out_ptr, partial_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M,
                N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+
+
+_GEMV = FastLaunch(_gemv_kernel)
 
 
 def word_view(w: KernelWeight) -> Tensor | None:
@@ -150,8 +156,8 @@ def _packed_gemv(
         scales = scales.view(torch.uint8)
         zeros = zeros if w.zeros is not None else scales
     interpret = interpreting()
-    packed_gemv_kernel[grid](
-        xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,
+    PACKED_GEMV.launch(
+        grid, xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,
         target.partials, words if experts is None else experts.ids,
         m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
         target.stride_split,
@@ -224,7 +230,8 @@ def _byte_gemv(
     target: SplitTarget,
 ) -> None:
     m, k = x.shape
-    _gemv_kernel[(ceil_div(w.n, cfg.block_n), m, target.split)](
+    _GEMV.launch(
+        (ceil_div(w.n, cfg.block_n), m, target.split),
         x, *kernel_args(w), bias if bias is not None else x, target.out, target.partials,
         m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
         target.stride_split, **kernel_constants(w), HAS_BIAS=bias is not None,

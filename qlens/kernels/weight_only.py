@@ -18,6 +18,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import split_target, store_tile
@@ -133,6 +134,9 @@ def _weight_only_kernel(
                pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 
 
+_WEIGHT_ONLY = FastLaunch(_weight_only_kernel)
+
+
 def weight_only_linear(
     x: Float[Tensor, "m k"],
     w: KernelWeight,
@@ -148,8 +152,8 @@ def weight_only_linear(
     target = split_target(out, split)
     bias_arg = bias if bias is not None else x
     with on_device(x.device):
-        _weight_only_kernel[(tiles, split)](
-            x, *kernel_args(w), bias_arg, out, target.partials,
+        _WEIGHT_ONLY.launch(
+            (tiles, split), x, *kernel_args(w), bias_arg, out, target.partials,
             m, n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), n, target.stride_split,
             **kernel_constants(w), HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,

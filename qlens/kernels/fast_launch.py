@@ -1,0 +1,161 @@
+"""Launching a compiled Triton kernel with minimal host work.
+
+``JITFunction.run`` binds every argument, builds a specialization string and looks it up on each
+call. :class:`FastLaunch` does the first launch of each specialization the normal way, keeps the
+compiled kernel it returns, and afterwards calls that kernel's launcher directly, keyed by what
+Triton specializes on: each tensor's dtype and 16-byte alignment, each int's equality to 1,
+divisibility by 16 and width, the other scalars' types, the constexprs and launch options
+(passed by keyword, fixed by the call site) and the current device.
+
+Checked against Triton 3.6 and 3.9, whose launch call (``CompiledKernel.run(grid0, grid1, grid2,
+stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``) is the
+same. Other versions, the CPU interpreter and non-NVIDIA targets take the normal launch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+SUPPORTED_TRITON = ((3, 6), (4, 0))  # [lowest, highest) (major, minor) with the checked launcher
+
+
+def triton_version(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string such as ``3.6.0`` or ``3.9.0+git1a2b``."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def arg_key(arg: Any) -> Any:
+    """What Triton specializes a non-constexpr argument on (a superset: more keys, never fewer).
+
+    Tensors: dtype and 16-byte alignment; ints: width class, ``== 1`` and ``% 16 == 0``; bools and
+    floats only by type (Triton passes them unspecialized); anything else by value.
+    """
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    kind = type(arg)
+    if kind is int:
+        width = 32 if -(2**31) <= arg < 2**31 else (64 if arg < 2**63 else 65)
+        return width, arg == 1, arg % 16 == 0
+    if kind is bool or kind is float:
+        return kind
+    return kind, arg
+
+
+def launch_key(device: int, args: Sequence[Any], options: dict[str, Any]) -> tuple[Any, ...]:
+    """The cache key of one launch: device, each positional argument's key, keyword values."""
+    return (device, tuple(map(arg_key, args)), tuple(options.items()))
+
+
+class FastLaunch:
+    """``FastLaunch(kernel).launch(grid, *args, **constexprs_and_options)`` launches ``kernel``.
+
+    Runtime arguments go by position, constexprs and launch options (``num_warps``...) by
+    keyword. The first call of each key runs ``kernel[grid](...)``; later ones call the compiled
+    kernel's launcher with the arguments in the kernel's parameter order.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._runtime: _Runtime | None = None
+        self._resolved = False  # the runtime is looked up at the first launch, not at import
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+        if not self._resolved:
+            self._runtime, self._resolved = _fast_runtime(self.kernel), True
+        runtime = self._runtime
+        if runtime is None:
+            self.kernel[grid](*args, **options)
+            return
+        device = runtime.current_device()
+        key = launch_key(device, args, options)
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._compiled[key] = self._first_launch(grid, args, options)
+            return
+        compiled, tail = entry
+        stream = runtime.current_stream(device)
+        enter, exit_ = runtime.hooks()
+        metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter else None
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            stream, compiled.function, compiled.packed_metadata, metadata, enter, exit_,
+            *args, *tail,
+        )  # fmt: skip
+
+    def _first_launch(
+        self, grid: tuple[int, ...], args: tuple[Any, ...], options: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The normal launch, and the compiled kernel with the parameters after ``args``."""
+        compiled = self.kernel[grid](*args, **options)
+        if hasattr(compiled, "result"):  # asynchronous compilation hands back a future
+            compiled = compiled.result()
+        return compiled, _tail_arguments(self.kernel, args, options)
+
+    def cached_keys(self) -> list[tuple[Any, ...]]:
+        """The launch keys seen so far, in order (one normal launch each)."""
+        return list(self._compiled)
+
+
+def _tail_arguments(kernel: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[Any, ...]:
+    """The values of ``kernel``'s parameters after the positional ones: keyword constexprs or
+    defaults. Runtime parameters must come by position (their keys depend on the value)."""
+    tail = []
+    signature = kernel.signature.parameters
+    for param in kernel.params[len(args) :]:
+        name = param.name
+        if not param.is_constexpr:
+            raise TypeError(
+                f"FastLaunch({kernel.__name__}): pass runtime parameter {name!r} by position; "
+                "only constexprs and launch options may go by keyword"
+            )
+        if name in options:
+            tail.append(options[name])
+        elif signature[name].default is not inspect.Parameter.empty:
+            tail.append(signature[name].default)
+        else:
+            raise TypeError(f"FastLaunch({kernel.__name__}): constexpr {name!r} has no value")
+    return tuple(tail)
+
+
+class _Runtime:
+    """The device, stream and launch hooks of the active Triton driver, read per launch."""
+
+    def __init__(self, driver: Any, knobs: Any) -> None:
+        self.current_device: Callable[[], int] = driver.get_current_device
+        self.current_stream: Callable[[int], int] = driver.get_current_stream
+        self._knobs = knobs
+
+    def hooks(self) -> tuple[Any, Any]:
+        """The launch hooks, None for none (Triton 3.9 keeps them as possibly empty chains)."""
+        runtime = self._knobs.runtime
+        return _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
+
+
+def _hook(hook: Any) -> Any:
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
+
+
+def _fast_runtime(kernel: Any) -> _Runtime | None:
+    """The direct-launch runtime, or None where ``kernel`` must take the normal launch."""
+    try:
+        import triton
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    lowest, highest = SUPPORTED_TRITON
+    if not isinstance(kernel, JITFunction):  # the CPU interpreter's InterpretedFunction
+        return None
+    if not lowest <= triton_version(triton.__version__) < highest:
+        return None
+    active = driver.active
+    if active.get_current_target().backend != "cuda":
+        return None
+    return _Runtime(active, knobs)
