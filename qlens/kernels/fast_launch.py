@@ -15,6 +15,7 @@ same. Other versions, the CPU interpreter and non-NVIDIA targets take the normal
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,8 +26,10 @@ SUPPORTED_TRITON = ((3, 6), (4, 0))  # [lowest, highest) (major, minor) with the
 
 def triton_version(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a Triton version string such as ``3.6.0`` or ``3.9.0+git1a2b``."""
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a Triton version: {version!r} (expected 'major.minor...')")
+    return int(match.group(1)), int(match.group(2))
 
 
 def arg_key(arg: Any) -> Any:

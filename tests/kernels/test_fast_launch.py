@@ -1,0 +1,205 @@
+"""FastLaunch: launch keys, the once-per-key normal launch, the direct launch and the fallback."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from qlens.kernels.fast_launch import FastLaunch, arg_key, launch_key, triton_version
+
+
+@dataclass
+class FakeParam:
+    name: str
+    is_constexpr: bool
+
+
+@dataclass
+class FakeCompiled:
+    """Records direct launches the way ``CompiledKernel.run`` receives them."""
+
+    function: str = "fn"
+    packed_metadata: tuple[int, ...] = (4, 1)
+    runs: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def run(self, *call: Any) -> None:
+        self.runs.append(call)
+
+    def launch_metadata(self, grid: Any, stream: int, *args: Any) -> str:
+        return "metadata"
+
+
+def _signature(a: Any, b: Any, n: Any, BLOCK: Any, FLAG: Any = True) -> None:  # noqa: N803
+    return None
+
+
+class FakeKernel:
+    """A JIT function with parameters ``a, b, n, BLOCK (constexpr), FLAG (constexpr = True)``."""
+
+    __name__ = "fake_kernel"
+    signature = inspect.signature(_signature)
+    params = [
+        FakeParam("a", False),
+        FakeParam("b", False),
+        FakeParam("n", False),
+        FakeParam("BLOCK", True),
+        FakeParam("FLAG", True),
+    ]
+
+    def __init__(self) -> None:
+        self.normal: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.compiled: list[FakeCompiled] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> FakeCompiled:
+            self.normal.append((grid, args, kwargs))
+            self.compiled.append(FakeCompiled())
+            return self.compiled[-1]
+
+        return run
+
+
+class FakeRuntime:
+    def __init__(self, enter: Any = None) -> None:
+        self.device = 0
+        self.enter = enter
+
+    def current_device(self) -> int:
+        return self.device
+
+    def current_stream(self, device: int) -> int:
+        return 1000 + device
+
+    def hooks(self) -> tuple[Any, Any]:
+        return self.enter, None
+
+
+def _fast(kernel: FakeKernel, runtime: FakeRuntime | None = None) -> FastLaunch:
+    launcher = FastLaunch(kernel)
+    launcher._runtime, launcher._resolved = runtime or FakeRuntime(), True
+    return launcher
+
+
+def test_arg_key_follows_what_triton_specializes_on() -> None:
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert arg_key(buf) == (torch.float16, True)
+    assert arg_key(buf[1:]) == (torch.float16, False)  # 2 bytes past an aligned start
+    assert arg_key(buf[8:]) == (torch.float16, True)  # 16 bytes past
+    assert arg_key(buf.view(torch.int16)) == (torch.int16, True)
+    assert arg_key(1) == (32, True, False)
+    assert arg_key(32) == (32, False, True)
+    assert arg_key(33) == (32, False, False)
+    assert arg_key(2**31) == (64, False, True)
+    assert arg_key(-(2**31)) == (32, False, True)
+    assert arg_key(2**63) == (65, False, True)
+    assert arg_key(0.5) is float and arg_key(2.0) is float
+    assert arg_key(True) is bool and arg_key(False) is bool
+    assert arg_key(None) == (type(None), None)
+
+
+def test_launch_key_includes_device_and_keyword_values() -> None:
+    x = torch.zeros(8)
+    assert launch_key(0, (x, 3), {"BLOCK": 16}) == (
+        0,
+        ((torch.float32, True), (32, False, False)),
+        (("BLOCK", 16),),
+    )
+    assert launch_key(1, (x, 3), {"BLOCK": 16}) != launch_key(0, (x, 3), {"BLOCK": 16})
+    assert launch_key(0, (x, 3), {"BLOCK": 32}) != launch_key(0, (x, 3), {"BLOCK": 16})
+
+
+def test_triton_version_parses_release_and_local_versions() -> None:
+    assert triton_version("3.6.0") == (3, 6)
+    assert triton_version("3.9.0+git1a2b") == (3, 9)
+    assert triton_version("3.10rc1") == (3, 10)
+    with pytest.raises(ValueError, match="not a Triton version: 'dev'"):
+        triton_version("dev")
+
+
+def test_normal_launch_once_per_key_then_direct_launches() -> None:
+    kernel = FakeKernel()
+    launcher = _fast(kernel)
+    buf = torch.zeros(64, dtype=torch.float16)
+    for call in range(3):
+        a, b = torch.zeros(16, dtype=torch.float16), torch.zeros(16, dtype=torch.float16)
+        launcher.launch((4, 2), a, b, 48, BLOCK=16, num_warps=4)
+        assert len(kernel.normal) == 1, call
+    (compiled,) = kernel.compiled
+    assert len(compiled.runs) == 2
+    run = compiled.runs[-1]
+    assert run[:9] == (4, 2, 1, 1000, "fn", (4, 1), None, None, None)
+    assert run[9] is a and run[10] is b
+    assert run[11:] == (48, 16, True)  # runtime args, then BLOCK, then FLAG's default
+
+    launcher.launch((4,), buf[1:], b, 48, BLOCK=16, num_warps=4)  # misaligned pointer
+    launcher.launch((4,), a, b, 49, BLOCK=16, num_warps=4)  # n no longer divisible by 16
+    launcher.launch((4,), a, b, 1, BLOCK=16, num_warps=4)  # n == 1
+    launcher.launch((4,), a.float(), b, 48, BLOCK=16, num_warps=4)  # dtype
+    launcher.launch((4,), a, b, 48, BLOCK=32, num_warps=4)  # constexpr
+    launcher.launch((4,), a, b, 48, BLOCK=16, num_warps=8)  # launch option
+    launcher.launch((4,), a, b, 48, BLOCK=16, FLAG=False, num_warps=4)  # defaulted constexpr
+    assert len(kernel.normal) == 8
+    assert len(set(launcher.cached_keys())) == 8
+    launcher.launch((7, 3, 2), a, b, 64, BLOCK=16, num_warps=4)  # same key as the first launch
+    assert len(kernel.normal) == 8
+    assert compiled.runs[-1][:3] == (7, 3, 2)
+
+
+def test_a_new_device_takes_a_normal_launch_and_its_own_stream() -> None:
+    kernel, runtime = FakeKernel(), FakeRuntime()
+    launcher = _fast(kernel, runtime)
+    a = torch.zeros(16)
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    runtime.device = 1
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    assert len(kernel.normal) == 2
+    assert kernel.compiled[1].runs[0][3] == 1001
+
+
+def test_enter_hook_gets_launch_metadata() -> None:
+    def hook(metadata: Any) -> None:
+        return None
+
+    kernel = FakeKernel()
+    launcher = _fast(kernel, FakeRuntime(enter=hook))
+    a = torch.zeros(16)
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    assert kernel.compiled[0].runs[0][6:8] == ("metadata", hook)
+
+
+def test_runtime_parameter_by_keyword_is_an_error() -> None:
+    launcher = _fast(FakeKernel())
+    a = torch.zeros(16)
+    with pytest.raises(TypeError, match="pass runtime parameter 'n' by position"):
+        launcher.launch((1,), a, a, n=16, BLOCK=16)
+
+
+def test_missing_constexpr_is_an_error() -> None:
+    launcher = _fast(FakeKernel())
+    a = torch.zeros(16)
+    with pytest.raises(TypeError, match="constexpr 'BLOCK' has no value"):
+        launcher.launch((1,), a, a, 16)
+
+
+def test_interpreted_kernel_takes_the_normal_launch() -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
+    launcher = FastLaunch(add_one)
+    x = torch.zeros(10)
+    launcher.launch((1,), x, 10, BLOCK=16)
+    launcher.launch((1,), x, 10, BLOCK=16)
+    assert torch.equal(x, torch.full((10,), 2.0))
+    assert launcher.cached_keys() == []  # the interpreter has no compiled kernel to keep
