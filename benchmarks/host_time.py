@@ -22,6 +22,7 @@ from _timing import publish
 
 import qlens.kernels.gemv as gemv
 from qlens.kernels import experts_linear, quantized_linear
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.quant.quantize import quantize_weight
 
 CALLS = 2000
@@ -51,8 +52,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1: the calls run on CPU tensors")
     torch.manual_seed(0)
-    gemv.packed_gemv_kernel = _NoLaunch()
-    gemv._gemv_kernel = _NoLaunch()
+    gemv.PACKED_GEMV = FastLaunch(_NoLaunch())
+    gemv._GEMV = FastLaunch(_NoLaunch())
     int4 = quantize_weight(torch.randn(4096, 4096), "int4", group_size=128)
     fp8 = quantize_weight(torch.randn(4096, 4096), "fp8-block")
     experts = quantize_weight(torch.randn(8, 512, 1024), "int4", group_size=128)

@@ -62,6 +62,8 @@ class FastLaunch:
     kernel's launcher with the arguments in the kernel's parameter order.
     """
 
+    direct = True  # False: every launcher takes the normal launch (for comparisons)
+
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
@@ -72,7 +74,7 @@ class FastLaunch:
         if not self._resolved:
             self._runtime, self._resolved = _fast_runtime(self.kernel), True
         runtime = self._runtime
-        if runtime is None:
+        if runtime is None or not FastLaunch.direct:
             self.kernel[grid](*args, **options)
             return
         device = runtime.current_device()
@@ -99,6 +101,10 @@ class FastLaunch:
         if hasattr(compiled, "result"):  # asynchronous compilation hands back a future
             compiled = compiled.result()
         return compiled, _tail_arguments(self.kernel, args, options)
+
+    def clear(self) -> None:
+        """Forget the compiled kernels: the next launch of each key takes the normal path."""
+        self._compiled.clear()
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
         """The launch keys seen so far, in order (one normal launch each)."""

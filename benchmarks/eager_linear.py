@@ -1,0 +1,91 @@
+"""Host time of eager one-row QuantLinear calls against bf16 ``F.linear``.
+
+For each layer and scheme: the host microseconds per call of back-to-back calls without a
+sync (``time.perf_counter`` around the calls only), and the wall microseconds per call once
+the GPU has finished them too; with the direct Triton launches (``FastLaunch``) and with
+every launch through ``JITFunction.run`` (``FastLaunch.direct = False``).
+
+Run on a CUDA GPU: ``python benchmarks/eager_linear.py``; prints markdown and, when ``$OUT`` is
+set, writes it to ``$OUT/eager_linear_h200.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from qlens.kernels.fast_launch import FastLaunch
+from _timing import header, publish, seeded_weight
+from qlens.modules import QuantLinear
+from qlens.quant.quantize import quantize_weight
+
+LAYERS = ((4096, 4096), (14336, 4096))
+SCHEMES = (
+    ("int4", {"group_size": 128}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+    ("fp8-block", {}),
+    ("int8", {}),
+)
+CALLS = 500
+TIMING = (
+    f"median of five rounds of {CALLS} back-to-back one-row calls after 50 warm-up calls; host: "
+    "perf_counter around the calls without a sync; wall: until a sync after them returns"
+)
+
+
+def host_and_wall_us(call: Callable[[], object]) -> tuple[float, float]:
+    """Median over five rounds of (host, wall) microseconds per call."""
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        host.append((issued - start) / CALLS * 1e6)
+        wall.append((done - start) / CALLS * 1e6)
+    return statistics.median(host), statistics.median(wall)
+
+
+def main() -> None:
+    rows = [
+        "| N x K | scheme | host us a call | wall us a call | host us, normal launch | "
+        "wall us, normal launch | host vs bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, k in LAYERS:
+        w = seeded_weight(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_host, bf16_wall = host_and_wall_us(lambda w=w, x=x: F.linear(x, w))
+        rows.append(f"| {n} x {k} | bf16 F.linear | {bf16_host:.1f} | {bf16_wall:.1f} | | | 1.00 |")
+        print(rows[-1], flush=True)
+        for scheme, options in SCHEMES:
+            module = QuantLinear(quantize_weight(w, scheme, **options)).cuda()
+            host, wall = host_and_wall_us(lambda module=module, x=x: module(x))
+            FastLaunch.direct = False
+            try:
+                slow_host, slow_wall = host_and_wall_us(lambda module=module, x=x: module(x))
+            finally:
+                FastLaunch.direct = True
+            rows.append(
+                f"| {n} x {k} | {scheme} | {host:.1f} | {wall:.1f} | {slow_host:.1f} | "
+                f"{slow_wall:.1f} | {host / bf16_host:.2f} |"
+            )
+            print(rows[-1], flush=True)
+        del w
+    text = header("Eager one-row QuantLinear calls: host time against bf16", TIMING)
+    publish(text + "\n".join(rows), "eager_linear_h200.md")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
