@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qlens.kernels.fast_launch import FastLaunch, arg_key, launch_key, triton_version
+from qlens.kernels.runtime import interpreting
 
 
 @dataclass
@@ -173,6 +174,22 @@ def test_enter_hook_gets_launch_metadata() -> None:
     assert kernel.compiled[0].runs[0][6:8] == ("metadata", hook)
 
 
+def test_direct_off_takes_the_normal_launch_every_time() -> None:
+    kernel = FakeKernel()
+    launcher = _fast(kernel)
+    a = torch.zeros(16)
+    FastLaunch.direct = False
+    try:
+        for _ in range(3):
+            launcher.launch((1,), a, a, 16, BLOCK=16)
+    finally:
+        FastLaunch.direct = True
+    assert len(kernel.normal) == 3 and launcher.cached_keys() == []
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    launcher.launch((1,), a, a, 16, BLOCK=16)
+    assert len(kernel.normal) == 4 and len(kernel.compiled[-1].runs) == 1
+
+
 def test_runtime_parameter_by_keyword_is_an_error() -> None:
     launcher = _fast(FakeKernel())
     a = torch.zeros(16)
@@ -187,6 +204,7 @@ def test_missing_constexpr_is_an_error() -> None:
         launcher.launch((1,), a, a, 16)
 
 
+@pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
 def test_interpreted_kernel_takes_the_normal_launch() -> None:
     import triton
     import triton.language as tl
