@@ -29,8 +29,8 @@ N, K = 2304, 4096
 # (weight scheme, W8A8, rows, config, the launchers the call goes through)
 LAUNCH_SITES = (
     (("int4", {"group_size": 128}), False, 1, LinearConfig("gemv", 16, 32, 1024), (PACKED_GEMV,)),
-    (("nvfp4", {}), False, 1, LinearConfig("gemv", 16, 32, 1024, split_k=2), (PACKED_GEMV,)),
-    (("mxfp4", {}), False, 1, LinearConfig("gemv", 16, 32, 1024), (PACKED_GEMV,)),
+    (("nvfp4", {}), False, 1, LinearConfig("gemv", 16, 64, 256, split_k=2), (PACKED_GEMV,)),
+    (("mxfp4", {}), False, 1, LinearConfig("gemv", 16, 64, 256), (PACKED_GEMV,)),
     (("int8", {"group_size": 64}), False, 1, LinearConfig("gemv", 16, 16, 512), (_GEMV,)),
     (("fp8-block", {}), False, 1, LinearConfig("gemv", 16, 16, 512, split_k=2), (_GEMV,)),
     (("mxfp4", {}), False, 20, LinearConfig("splitk", 16, 128, 128, split_k=2), (_WEIGHT_ONLY,)),
