@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from qlens.kernels import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch, arg_key, launch_key, triton_version
 from qlens.kernels.runtime import interpreting
+from qlens.quant.quantize import quantize_weight
 
 
 @dataclass
@@ -221,3 +223,49 @@ def test_interpreted_kernel_takes_the_normal_launch() -> None:
     launcher.launch((1,), x, 10, BLOCK=16)
     assert torch.equal(x, torch.full((10,), 2.0))
     assert launcher.cached_keys() == []  # the interpreter has no compiled kernel to keep
+
+
+LAUNCH_SITE_CALLS = (
+    (("int4", {"group_size": 32}), False, 1, LinearConfig("gemv", 16, 32, 128)),
+    (("int8", {"group_size": 64}), False, 1, LinearConfig("gemv", 16, 16, 128)),
+    (("mxfp4", {}), False, 3, LinearConfig("splitk", 16, 32, 64, split_k=2)),
+    (("fp8-block", {}), True, 1, LinearConfig("splitk", 16, 64, 128, split_k=2)),
+)
+
+
+@pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
+def test_every_launch_site_passes_runtime_parameters_by_position(monkeypatch):
+    """What the direct launch needs of its call sites: runtime parameters by position, then
+    every constexpr by keyword or default (checked against each kernel's own signature)."""
+    from triton.runtime.jit import JITFunction
+
+    from qlens.kernels import dequantize_triton, quantized_linear
+    from qlens.kernels.dequant import _DEQUANT
+    from qlens.kernels.fast_launch import _tail_arguments
+    from qlens.kernels.fp8_w8a8 import _ACT_QUANT, _FP8_BLOCK_GEMM
+    from qlens.kernels.gemv import _GEMV, PACKED_GEMV
+    from qlens.kernels.weight_only import _WEIGHT_ONLY
+
+    recorded: list[tuple[FastLaunch, tuple[Any, ...], dict[str, Any]]] = []
+    normal_launch = FastLaunch.launch
+
+    def record(self: FastLaunch, grid: Any, *args: Any, **options: Any) -> None:
+        recorded.append((self, args, options))
+        normal_launch(self, grid, *args, **options)
+
+    monkeypatch.setattr(FastLaunch, "launch", record)
+    gen = torch.Generator().manual_seed(0)
+    for (scheme, kwargs), w8a8, m, cfg in LAUNCH_SITE_CALLS:
+        payload = quantize_weight(torch.randn(32, 256, generator=gen), scheme, **kwargs)
+        quantized_linear(torch.randn(m, 256, generator=gen), payload, w8a8=w8a8, config=cfg)
+    dequantize_triton(payload, torch.bfloat16)
+
+    seen = {launcher for launcher, _, _ in recorded}
+    assert seen == {PACKED_GEMV, _GEMV, _WEIGHT_ONLY, _ACT_QUANT, _FP8_BLOCK_GEMM, _DEQUANT}
+    for launcher, args, options in recorded:
+        kernel = JITFunction(launcher.kernel.fn)  # the compiled kernel's parameters
+        tail = _tail_arguments(kernel, args, options)
+        assert len(args) + len(tail) == len(kernel.params), launcher.kernel.__name__
+        for param, value in zip(kernel.params[len(args) :], tail, strict=True):
+            assert param.is_constexpr
+            assert value is options.get(param.name, kernel.signature.parameters[param.name].default)
