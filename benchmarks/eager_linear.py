@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _timing import header, publish, seeded_weight
 
 from qlens.kernels.fast_launch import FastLaunch
-from _timing import header, publish, seeded_weight
 from qlens.modules import QuantLinear
 from qlens.quant.quantize import quantize_weight
 
