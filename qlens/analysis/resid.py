@@ -14,17 +14,21 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from qlens.analysis.components import head_results, neuron_results
 from qlens.analysis.labeled import Labeled
+from qlens.analysis.slicing import Slice, SliceInput
 from qlens.weights import accessors
 from qlens.weights.access import read_optional
 
 
 def _layer_count(bridge: Any, layer: int | None) -> int:
     n = bridge.cfg.n_layers
-    if layer is None:
+    if layer is None or layer == -1:
         return n
     if not 0 <= layer <= n:
-        raise ValueError(f"layer must be in [0, {n}] (or None for the final residual), got {layer}")
+        raise ValueError(
+            f"layer must be in [0, {n}] (or None or -1 for the final residual), got {layer}"
+        )
     return layer
 
 
@@ -46,21 +50,41 @@ def decompose_resid(
     *,
     mode: str = "all",
     incl_embeds: bool = True,
+    mlp_input: bool = False,
 ) -> Labeled:
     """The residual stream as embed, pos_embed and each layer's attention and MLP outputs.
 
-    ``mode`` keeps ``"all"``, ``"attn"`` or ``"mlp"`` outputs. Values are
-    ``[component *batch pos d_model]``.
+    ``mode`` keeps ``"all"``, ``"attn"`` or ``"mlp"`` outputs. ``mlp_input`` decomposes the
+    input of ``layer``'s MLP instead of its attention (adding that layer's attention output).
+    Values are ``[component *batch pos d_model]``.
     """
     if mode not in ("all", "attn", "mlp"):
         raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
+    n = _layer_count(bridge, layer)
+    _check_mlp_input(bridge, n, mlp_input)
     parts, labels = _embeds(cache) if incl_embeds else ([], [])
-    for i in range(_layer_count(bridge, layer)):
+    for i in range(n):
         for kind in ("attn", "mlp"):
             if mode in ("all", kind):
                 parts.append(_branch(cache, i, kind))
                 labels.append(f"{i}_{kind}_out")
+    if mlp_input and mode != "mlp":
+        parts.append(_branch(cache, n, "attn"))
+        labels.append(f"{n}_attn_out")
+    if not parts:
+        raise ValueError(
+            "nothing to decompose: no embeddings (incl_embeds=False) and no layer before "
+            f"layer={layer} of the kind {mode!r}"
+        )
     return _stack(parts, labels)
+
+
+def _check_mlp_input(bridge: Any, layer: int, mlp_input: bool) -> None:
+    if mlp_input and layer == bridge.cfg.n_layers:
+        raise ValueError(
+            "mlp_input=True needs a layer below n_layers: the final residual feeds the unembed, "
+            "not an MLP"
+        )
 
 
 def _embeds(cache: Any) -> tuple[list[Tensor], list[str]]:
@@ -98,13 +122,11 @@ def stack_head_results(
     parts: list[Tensor] = []
     labels: list[str] = []
     for i in range(_layer_count(bridge, layer)):
-        z = cache[f"blocks.{i}.attn.hook_z"]
-        w_o = accessors.W_O(bridge, i, dequantize=dequantize).to(z.dtype)
-        result = torch.einsum("...hd,hdm->h...m", z, w_o)
+        result = head_results(bridge, cache, i, dequantize=dequantize).movedim(-2, 0)
         if apply_post_norm and _has_sandwich_norms(bridge):
             result = _through_post_norm(bridge, cache, i, "attn", result)
         parts.extend(result.unbind(0))
-        labels += [f"L{i}H{h}" for h in range(w_o.shape[0])]
+        labels += [f"L{i}H{h}" for h in range(result.shape[0])]
     if not parts:
         raise ValueError("stack_head_results needs at least one layer (layer >= 1 or None)")
     return _stack(parts, labels)
@@ -138,6 +160,7 @@ def get_full_resid_decomposition(
     layer: int | None = None,
     *,
     expand_neurons: bool = False,
+    mlp_input: bool = False,
     dequantize: bool = False,
 ) -> Labeled:
     """The residual as every head, every MLP (or every neuron), the embeddings and the biases.
@@ -148,37 +171,34 @@ def get_full_resid_decomposition(
     Sandwich-norm families (Gemma 2/3) normalize each attention/MLP output before adding it:
     there every term goes through that post-norm linearly, with the norm's scale frozen from the
     cache (``blocks.{i}.ln1_post.hook_scale`` / ``ln2_post.hook_scale``), so the components still
-    sum to the residual exactly.
+    sum to the residual exactly. ``mlp_input`` decomposes the input of ``layer``'s MLP instead
+    of its attention (adding that layer's heads and attention bias).
     """
     n = _layer_count(bridge, layer)
+    _check_mlp_input(bridge, n, mlp_input)
+    n_attn = n + int(mlp_input)
     sandwich = _has_sandwich_norms(bridge)
     heads = (
-        stack_head_results(bridge, cache, n, apply_post_norm=True, dequantize=dequantize)
-        if n
+        stack_head_results(bridge, cache, n_attn, apply_post_norm=True, dequantize=dequantize)
+        if n_attn
         else None
     )
     parts = list(heads.values.unbind(0)) if heads is not None else []
     labels = list(heads.labels["component"]) if heads is not None else []
     bias = torch.zeros_like(cache["hook_embed"])
-    for i in range(n):
+    for i in range(n_attn):
         attn_bias = accessors.b_O(bridge, i, dequantize=dequantize).to(bias.dtype)
         bias = bias + _post_normed_bias(bridge, cache, i, "attn", attn_bias, sandwich)
+    for i in range(n):
         if not expand_neurons:
             parts.append(_branch(cache, i, "mlp"))
             labels.append(f"{i}_mlp_out")
             continue
-        if accessors.layer_module(bridge, i, "experts") is not None:
-            raise ValueError(
-                f"expand_neurons is not defined for the mixture-of-experts layer {i}; "
-                "use expand_neurons=False"
-            )
-        post = cache[f"blocks.{i}.mlp.hook_post"]
-        w_out = accessors.W_out(bridge, i, dequantize=dequantize).to(post.dtype)
-        neurons = (post[..., :, None] * w_out).movedim(-2, 0)  # [d_mlp *batch pos d_model]
+        neurons = neuron_results(bridge, cache, i, dequantize=dequantize).movedim(-2, 0)
         if sandwich:
             neurons = _through_post_norm(bridge, cache, i, "mlp", neurons)
         parts.extend(neurons.unbind(0))
-        labels += [f"L{i}N{j}" for j in range(w_out.shape[0])]
+        labels += [f"L{i}N{j}" for j in range(neurons.shape[0])]
         mlp_bias = accessors.b_out(bridge, i, dequantize=dequantize).to(bias.dtype)
         bias = bias + _post_normed_bias(bridge, cache, i, "mlp", mlp_bias, sandwich)
     embeds, embed_labels = _embeds(cache)
@@ -197,18 +217,25 @@ def _post_normed_bias(
 
 
 def _norm_for(bridge: Any, layer: int | None, mlp_input: bool) -> tuple[Any, str]:
-    if layer is None or layer == bridge.cfg.n_layers:
+    layer = _layer_count(bridge, layer)
+    if layer == bridge.cfg.n_layers:
+        _check_mlp_input(bridge, layer, mlp_input)
         return bridge.ln_final, "ln_final.hook_scale"
     field = "ln2" if mlp_input else "ln1"
     return accessors.layer_module(bridge, layer, field), f"blocks.{layer}.{field}.hook_scale"
 
 
-def _normalize_linearly(bridge: Any, norm: Any, scale: Tensor, stack: Tensor) -> Tensor:
+def _normalize_linearly(
+    bridge: Any, norm: Any, scale: Tensor, stack: Tensor, norm_weight: bool = True
+) -> Tensor:
     """A norm applied to each component of ``stack`` with the full input's ``scale`` frozen:
-    centered (LayerNorm), divided by ``scale``, times the weight (Gemma: ``1 + w``); no bias."""
+    centered (LayerNorm), divided by ``scale``, times the weight (Gemma: ``1 + w``) unless
+    ``norm_weight`` is False; no bias."""
     if bridge.cfg.normalization_type == "LN":
         stack = stack - stack.mean(-1, keepdim=True)
     stack = stack / scale.to(stack.dtype)
+    if not norm_weight:
+        return stack
     weight = read_optional(norm, "weight", operation="apply a norm to a residual stack")
     if weight is not None:
         stack = stack * (weight.to(stack.dtype) + bridge.cfg.norm_weight_offset)
@@ -223,11 +250,18 @@ def apply_ln_to_stack(
     *,
     mlp_input: bool = False,
     bias_component: int | None = None,
+    norm_weight: bool = True,
+    pos_slice: SliceInput = None,
+    batch_slice: SliceInput = None,
 ) -> Float[Tensor, "component *batch_pos d_model"]:
-    """Apply the norm in front of ``layer`` (final norm when None) to each component linearly.
+    """Apply the norm in front of ``layer`` (final norm when None or -1) to each component
+    linearly.
 
     Each component is centered (LayerNorm), divided by the cached ``hook_scale`` of the full
-    residual and multiplied by the norm's weight (Gemma: ``1 + w``). The norm's bias belongs to
+    residual and multiplied by the norm's weight (Gemma: ``1 + w``); ``norm_weight=False``
+    leaves the weight out, as TransformerLens' ``apply_ln_to_stack`` does (identical once the
+    norms are folded). ``pos_slice`` / ``batch_slice`` (TransformerLens ``Slice`` semantics)
+    say which positions / batch rows of the cached scale the stack holds. The norm's bias belongs to
     no component: by default it is left out (as TransformerLens does), so the components sum to
     ``hook_out`` minus the bias. Pass ``bias_component`` (e.g. ``-1`` for the ``bias``
     component of :func:`get_full_resid_decomposition`, which holds the decomposition's constant
@@ -235,7 +269,10 @@ def apply_ln_to_stack(
     exactly. Folding the norms (``qlens.weights.process_weights``) removes the bias altogether.
     """
     norm, scale_name = _norm_for(bridge, layer, mlp_input)
-    stack = _normalize_linearly(bridge, norm, cache[scale_name], residual_stack)
+    scale = Slice(pos_slice).apply(cache[scale_name], -2)
+    if scale.ndim == 3:  # [batch pos 1]
+        scale = Slice(batch_slice).apply(scale, 0)
+    stack = _normalize_linearly(bridge, norm, scale, residual_stack, norm_weight)
     if bias_component is None:
         return stack
     if not -stack.shape[0] <= bias_component < stack.shape[0]:
@@ -254,14 +291,18 @@ def apply_ln_to_stack(
 def logit_attrs(
     bridge: Any,
     residual_stack: Float[Tensor, "component *batch_pos d_model"],
-    tokens: int | Int[Tensor, "*batch_pos"],
-    incorrect_tokens: int | Int[Tensor, "*batch_pos"] | None = None,
+    tokens: int | Int[Tensor, "..."],
+    incorrect_tokens: int | Int[Tensor, "..."] | None = None,
     *,
     dequantize: bool = False,
     allow_softcap: bool = False,
-) -> Float[Tensor, " component *batch_pos"]:
+) -> Float[Tensor, "component ..."]:
     """Direct logit attribution: each component's dot product with ``W_U[:, tokens]`` (minus
     ``W_U[:, incorrect_tokens]`` when given). W_U is read through the guard.
+
+    ``tokens`` broadcasts against the stack's ``*batch pos`` dims, with TransformerLens' rule
+    for a ``[batch pos d_model]`` stack: a 1-D tensor as long as the batch gives one token per
+    sequence (pass ``[1, pos]`` for one per position when batch and pos are equal).
 
     The attributions add up to the logits before any final softcapping. Models that softcap
     their logits (Gemma 2: ``logits = c * tanh(raw / c)``) make this approximate: the capped
@@ -281,5 +322,14 @@ def logit_attrs(
     w_u = accessors.W_U(bridge, dequantize=dequantize)
     direction = w_u.T[torch.as_tensor(tokens, device=w_u.device)]
     if incorrect_tokens is not None:
-        direction = direction - w_u.T[torch.as_tensor(incorrect_tokens, device=w_u.device)]
+        wrong = torch.as_tensor(incorrect_tokens, device=w_u.device)
+        if wrong.shape != torch.as_tensor(tokens).shape:
+            raise ValueError(
+                f"tokens and incorrect_tokens must have the same shape, got "
+                f"{tuple(torch.as_tensor(tokens).shape)} and {tuple(wrong.shape)}"
+            )
+        direction = direction - w_u.T[wrong]
+    if residual_stack.ndim == 4 and direction.ndim == 2:
+        if direction.shape[0] == residual_stack.shape[1]:  # one token per batch row
+            direction = direction[:, None]
     return (residual_stack * direction.to(residual_stack.dtype)).sum(-1)
