@@ -269,9 +269,10 @@ def apply_ln_to_stack(
     exactly. Folding the norms (``qlens.weights.process_weights``) removes the bias altogether.
     """
     norm, scale_name = _norm_for(bridge, layer, mlp_input)
-    scale = Slice(pos_slice).apply(cache[scale_name], -2)
+    scale = cache[scale_name]
     if scale.ndim == 3:  # [batch pos 1]
         scale = Slice(batch_slice).apply(scale, 0)
+    scale = Slice(pos_slice).apply(scale, -2)
     stack = _normalize_linearly(bridge, norm, scale, residual_stack, norm_weight)
     if bias_component is None:
         return stack

@@ -64,4 +64,3 @@ class Slice:
 
     def __repr__(self) -> str:
         return f"Slice({self.index!r}, mode={self.mode!r})"
-

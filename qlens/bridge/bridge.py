@@ -542,7 +542,7 @@ class Bridge(HookSwitches, ModelAPI):
             store = {k: v[0] for k, v in _require_batch_one(store).items()}
         if not return_cache_object:
             return out, store
-        cache = ActivationCache(store, self.cfg.n_layers, self.ln_final, not remove_batch_dim)
+        cache = ActivationCache(store, self.cfg.n_layers, not remove_batch_dim, bridge=self)
         return out, cache
 
     @torch.no_grad()

@@ -1,35 +1,75 @@
-"""ActivationCache: activations by canonical name, with TransformerLens-style shorthands."""
+"""ActivationCache: activations by canonical name, with TransformerLens' shorthands and its
+analysis methods (``qlens.bridge.cache_methods``)."""
 
 from __future__ import annotations
 
 import difflib
+import logging
 import re
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
+from qlens.analysis.slicing import Slice, SliceInput
+from qlens.bridge.cache_methods import CacheAnalysisMethods
 from qlens.formatting import format_bytes
 
+logger = logging.getLogger(__name__)
 
-class ActivationCache:
-    """Cached activations. ``cache[name]``, ``cache["pattern", 3]``, ``cache["scale", 3, "ln2"]``.
+# TransformerLens' shorthands (transformer_lens.utils.get_act_name)
+_NAME_ALIASES = {
+    "attn": "pattern",
+    "attn_logits": "attn_scores",
+    "key": "k",
+    "query": "q",
+    "value": "v",
+    "mlp_pre": "pre",
+    "mlp_mid": "mid",
+    "mlp_post": "post",
+}
+_SUB_ALIASES = {"a": "attn", "m": "mlp", "b": None, "block": None, "blocks": None, "": None}
+_SUB_ALIASES["attention"] = "attn"
 
-    ``final_norm`` (the model's final norm module) enables ``accumulated_resid(apply_ln=True)``.
+
+class ActivationCache(CacheAnalysisMethods):
+    """Cached activations: ``cache[name]``, ``cache["pattern", 3]``, ``cache["scale", 3, "ln2"]``,
+    ``cache["resid_pre", -1]``, ``cache["k6"]``, and TransformerLens' analysis methods
+    (``accumulated_resid``, ``decompose_resid``, ``stack_head_results``, ``logit_attrs``, ...),
+    which need the ``bridge`` the activations come from.
     """
 
     def __init__(
         self,
         cache: dict[str, Tensor],
         n_layers: int,
-        final_norm: Callable[[Tensor], Tensor] | None = None,
         has_batch_dim: bool = True,
+        bridge: Any = None,
     ) -> None:
         self.cache = dict(cache)
         self.n_layers = n_layers
-        self.final_norm = final_norm
         self.has_batch_dim = has_batch_dim
+        self.bridge = bridge
+
+    @property
+    def model(self) -> Any:
+        """The bridge the activations come from (TransformerLens' ``cache.model``)."""
+        return self.bridge
+
+    @property
+    def cache_dict(self) -> dict[str, Tensor]:
+        """The activations by full hook name (TransformerLens' ``cache.cache_dict``)."""
+        return self.cache
+
+    @property
+    def has_embed(self) -> bool:
+        return "hook_embed" in self.cache
+
+    @property
+    def has_pos_embed(self) -> bool:
+        return "hook_pos_embed" in self.cache
 
     # -- access -----------------------------------------------------------------------------
     def _full_name(self, key: str | tuple) -> str:
@@ -38,14 +78,16 @@ class ActivationCache:
                 return key
             if "." in key:
                 raise self._missing(key)
-            key = (key,)  # a shorthand without a layer: "embed", "normalized"
+            key = _split_compact(key)  # "embed", "normalized", "k6", "scale4ln1"
         if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
             raise TypeError(
                 f"cache keys are names or (short_name, layer[, sub]) tuples, got {key!r}"
             )
         short = key[0].removeprefix("hook_")
+        short = _NAME_ALIASES.get(short, short)
         layer = key[1] if len(key) > 1 else None
         sub = key[2] if len(key) > 2 else None
+        sub = _SUB_ALIASES.get(sub, sub) if isinstance(sub, str) else sub
         if layer is not None and layer < 0:
             layer += self.n_layers
         if layer is None:
@@ -107,8 +149,38 @@ class ActivationCache:
         self.cache = {k: v.to(device) for k, v in self.cache.items()}
         return self
 
-    def remove_batch_dim(self) -> ActivationCache:
+    def toggle_autodiff(self, mode: bool = False) -> None:
+        """``torch.set_grad_enabled(mode)``: switches autograd globally, not just for the cache
+        (``torch.inference_mode()`` as a context manager is the local alternative)."""
+        logger.warning("Changed the global state, set autodiff to %s", mode)
+        torch.set_grad_enabled(mode)
+
+    def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> ActivationCache:
+        """A new cache holding the batch rows ``batch_slice`` selects (an int drops the batch
+        dimension); entries whose leading dim is not the batch (broadcast ones) are kept."""
+        rows = Slice(batch_slice)
+        if not self.has_batch_dim and rows.mode != "identity":
+            raise ValueError("cannot slice the batch dimension: this cache has none")
+        batch = self._batch_size()
+        sliced = {
+            name: rows.apply(value, 0) if value.ndim and value.shape[0] == batch else value
+            for name, value in self.cache.items()
+        }
+        return ActivationCache(
+            sliced, self.n_layers, self.has_batch_dim and rows.mode != "int", self.bridge
+        )
+
+    def _batch_size(self) -> int:
+        counts = Counter(v.shape[0] for v in self.cache.values() if v.ndim)
+        return counts.most_common(1)[0][0] if counts else 1
+
+    def remove_batch_dim(self, batch_size: int | None = None) -> ActivationCache:
         """Drop the batch dimension (in place) of a batch-1 cache; returns self."""
+        if batch_size not in (None, 1):
+            raise ValueError(
+                f"cannot remove the batch dimension of a batch of {batch_size}: only a batch of "
+                "one sequence can drop it; use apply_slice_to_batch_dim(i) to take sequence i"
+            )
         if not self.has_batch_dim:
             return self
         for name, value in self.cache.items():
@@ -122,43 +194,18 @@ class ActivationCache:
         return self
 
     # -- stacks -----------------------------------------------------------------------------
-    def stack_activation(self, name: str) -> Tensor:
-        """Stack one activation over layers: ``stack_activation("resid_post")`` -> [layer ...]."""
-        return _stack_on_one_device([self[name, layer] for layer in range(self.n_layers)], name)
+    def stack_activation(
+        self, activation_name: str, layer: int | None = -1, sublayer_type: str | None = None
+    ) -> Tensor:
+        """One activation of each layer before ``layer`` (None / -1: all) stacked:
+        ``stack_activation("resid_post")`` -> ``[layer ...]``."""
+        layers = self._final_layer(layer)
+        return self._stack(
+            [self[activation_name, i, sublayer_type] for i in range(layers)], activation_name
+        )
 
-    def accumulated_resid(
-        self,
-        layer: int | None = None,
-        incl_mid: bool = False,
-        apply_ln: bool = False,
-        return_labels: bool = False,
-    ) -> Float[Tensor, "component ..."] | tuple[Float[Tensor, "component ..."], list[str]]:
-        """The residual stream before each of the first ``layer`` layers (None: all of them, plus
-        the final residual), optionally with each resid_mid; ``apply_ln`` applies the model's
-        final norm to every component (a logit-lens view)."""
-        if layer is None:
-            layer = self.n_layers
-        if not 0 <= layer <= self.n_layers:
-            raise ValueError(f"layer must be in [0, {self.n_layers}], got {layer}")
-        parts, labels = [], []
-        for i in range(layer):
-            parts.append(self["resid_pre", i])
-            labels.append(f"{i}_pre")
-            if incl_mid:
-                parts.append(self["resid_mid", i])
-                labels.append(f"{i}_mid")
-        if layer == self.n_layers:
-            parts.append(self["resid_post", self.n_layers - 1])
-            labels.append("final_post")
-        else:
-            parts.append(self["resid_pre", layer])
-            labels.append(f"{layer}_pre")
-        stack = _stack_on_one_device(parts, "the residual stream")
-        if apply_ln:
-            if self.final_norm is None:
-                raise ValueError("apply_ln=True needs the model's final norm; this cache has none")
-            stack = self.final_norm(stack)
-        return (stack, labels) if return_labels else stack
+    def _stack(self, tensors: list[Tensor], what: str) -> Tensor:
+        return _stack_on_one_device(tensors, what)
 
     # -- display ----------------------------------------------------------------------------
     @property
@@ -188,3 +235,13 @@ def _stack_on_one_device(tensors: list[Tensor], what: str) -> Tensor:
             "run_with_cache(..., device=...) or cache.to(device)"
         )
     return torch.stack(tensors)
+
+
+def _split_compact(name: str) -> tuple[Any, ...]:
+    """TransformerLens' compact names: ``"k6"`` -> ``("k", 6)``, ``"scale4ln1"`` ->
+    ``("scale", 4, "ln1")``; anything else is a name without a layer."""
+    match = re.fullmatch(r"([a-z_]+?)(\d+)([a-z]\w*)?", name)
+    if match is None:
+        return (name,)
+    short, layer, sub = match.groups()
+    return (short, int(layer), sub)
