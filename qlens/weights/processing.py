@@ -11,6 +11,7 @@ logged) lists them with their memory. Hook names are unchanged and still fire.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from qlens.weights.access import read_optional, read_weight
 from qlens.weights.accessors import layer_module, qkv_row_indices, required_layer_module
 from qlens.weights.materialize import Processed, prepare
 from qlens.weights.storage import replace_tensor, write_tensor, write_weight
+
+logger = logging.getLogger(__name__)
 
 _LN1_READERS = ("q", "k", "v", "qkv")
 _LN2_READERS = ("mlp_in", "mlp_gate", "mlp_up", "mlp_gate_up", "router")
@@ -39,7 +42,9 @@ def process_weights(
     """Apply the TransformerLens processing steps to a copy of the model behind ``bridge``.
 
     ``center_writing_weights=None`` centers only LayerNorm models (under RMSNorm centering
-    would change the outputs). ``fold_value_biases`` is skipped for attention with sinks (GPT-OSS):
+    would change the outputs). Folding a LayerNorm also centers the weights reading it over
+    their input (its input is centered, so outputs are unchanged), as TransformerLens does.
+    ``center_unembed`` is skipped, with a warning, for models that softcap their logits. ``fold_value_biases`` is skipped for attention with sinks (GPT-OSS):
     there ``b_V`` contributes ``(1 - p_sink) * b_V @ W_O``, which no constant bias reproduces.
     """
     operation = "process the model's weights"
@@ -53,7 +58,13 @@ def process_weights(
     if center_writing_weights:
         _center_writing_weights(new)
         result.summary.steps.append("center_writing_weights")
-    if center_unembed:
+    if center_unembed and cfg.final_logit_softcapping:
+        logger.warning(
+            "center_unembed skipped: this %s model softcaps its logits, so shifting them by a "
+            "constant would change its outputs",
+            cfg.family,
+        )
+    elif center_unembed:
         _center_unembed(new)
         result.summary.steps.append("center_unembed")
     if fold_value_biases and not cfg.attention_sinks:
@@ -149,7 +160,10 @@ def _fold_into_linear(bridge: Any, module: nn.Module, scale: Tensor, bias: Tenso
     weight = read_weight(module, operation=op, owner=bridge)
     dtype = weight.dtype
     w = weight.detach().float().clone()
-    write_weight(module, (w * scale.to(w.device)).to(dtype))
+    folded = w * scale.to(w.device)
+    if bridge.cfg.normalization_type == "LN":  # the input is centered: center what reads it
+        folded = folded - folded.mean(-1, keepdim=True)
+    write_weight(module, folded.to(dtype))
     if bias is not None:
         own = read_optional(module, "bias", operation=op, owner=bridge)
         extra = w @ bias.to(w.device)
@@ -171,7 +185,10 @@ def _fold_into_experts(bridge: Any, module: nn.Module, scale: Tensor, bias: Tens
     w = gate_up.detach().float().clone()
     shape = [1] * w.ndim
     shape[in_dim] = -1
-    write_tensor(module, "gate_up_proj", (w * scale.reshape(shape)).to(gate_up.dtype))
+    folded = w * scale.reshape(shape)
+    if bridge.cfg.normalization_type == "LN":  # the input is centered: center what reads it
+        folded = folded - folded.mean(in_dim, keepdim=True)
+    write_tensor(module, "gate_up_proj", folded.to(gate_up.dtype))
     if bias is not None:
         extra = w @ bias if in_dim == -1 else bias @ w
         own = read_optional(module, "gate_up_proj_bias", operation=op, owner=bridge)
