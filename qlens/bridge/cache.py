@@ -162,8 +162,9 @@ class ActivationCache(CacheAnalysisMethods):
         if not self.has_batch_dim and rows.mode != "identity":
             raise ValueError("cannot slice the batch dimension: this cache has none")
         batch = self._batch_size()
+        broadcast = Slice(0 if rows.mode == "int" else None)  # [1 ...] entries, e.g. pos_embed
         sliced = {
-            name: rows.apply(value, 0) if value.ndim and value.shape[0] == batch else value
+            name: (rows if value.ndim and value.shape[0] == batch else broadcast).apply(value, 0)
             for name, value in self.cache.items()
         }
         return ActivationCache(

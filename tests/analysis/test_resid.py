@@ -66,7 +66,10 @@ def test_full_decomposition_sums_to_the_residual(arch):
     torch.testing.assert_close(full.values.sum(0), _final_resid(bridge, cache), **tol)
     assert full.labels["component"][-1] == "bias"
     if bridge.cfg.n_experts:
-        with pytest.raises(ValueError, match=r"\(expand_neurons\) are not defined for the mixture-of-experts layer 0"):
+        with pytest.raises(
+            ValueError,
+            match=r"\(expand_neurons\) are not defined for the mixture-of-experts layer 0",
+        ):
             analysis.get_full_resid_decomposition(bridge, cache, expand_neurons=True)
         return
     neurons = analysis.get_full_resid_decomposition(bridge, cache, expand_neurons=True)
