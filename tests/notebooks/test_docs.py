@@ -12,7 +12,14 @@ import pytest
 
 DOCS = Path(__file__).parents[2] / "docs"
 # getting_started.md is exercised by its own tests.
-PAGES = ["index.md", "concepts.md", "formats.md", "api.md", "viewers.md"]
+PAGES = [
+    "index.md",
+    "concepts.md",
+    "formats.md",
+    "api.md",
+    "viewers.md",
+    "coming_from_transformerlens.md",
+]
 _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 
