@@ -12,10 +12,10 @@ import io
 
 import pytest
 import torch
+from tl_oracle import tl_bridge
 from transformer_lens import patching
 from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import test_prompt as tl_test_prompt
-from tl_oracle import tl_bridge
 
 pytestmark = pytest.mark.slow
 

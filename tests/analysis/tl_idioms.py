@@ -408,7 +408,10 @@ def hooks_context(model):
 
 @idiom
 def hook_dict_holds_the_names(model):
-    return ["blocks.0.attn.hook_pattern" in model.hook_dict, "blocks.0.hook_resid_pre" in model.hook_dict]
+    return [
+        "blocks.0.attn.hook_pattern" in model.hook_dict,
+        "blocks.0.hook_resid_pre" in model.hook_dict,
+    ]
 
 
 @idiom
