@@ -5,12 +5,15 @@ TransformerLens model and on a qlens bridge (tests/analysis/test_tl_idioms.py).
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from transformer_lens import utilities as utils
+from transformer_lens.head_detector import detect_head
 
 PROMPT = "The Eiffel Tower is in the city of"
 IOI = "When John and Mary went to the shops, John gave the bag to"
@@ -487,3 +490,24 @@ def parameter_count(model):
 @idiom
 def eval_mode(model):
     return model.eval() is model, model.training
+
+
+# -- TransformerLens' own tools on the model -------------------------------------------------
+@idiom
+def detect_previous_token_heads(model):
+    return detect_head(
+        model, "The cat sat on the mat. The cat sat on the mat.", "previous_token_head"
+    )
+
+
+@idiom
+def detect_induction_heads(model):
+    return detect_head(model, "The cat sat on the mat. The cat sat on the mat.", "induction_head")
+
+
+@idiom
+def test_prompt(model):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        utils.test_prompt("The capital of France is", "Paris", model, top_k=5)
+    return printed.getvalue()
