@@ -14,12 +14,14 @@ from qlens.analysis.resid import (
     logit_attrs,
     stack_head_results,
 )
+from qlens.analysis.slicing import Slice
 
 __all__ = [
     "HEAD_KINDS",
     "DriftReport",
     "Labeled",
     "LogitLens",
+    "Slice",
     "apply_ln_to_stack",
     "decompose_resid",
     "get_full_resid_decomposition",
