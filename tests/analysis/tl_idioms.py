@@ -146,15 +146,22 @@ def stop_at_layer(model):
     return model(PROMPT, stop_at_layer=3)
 
 
+# TransformerLens 4.3's KV-cached generation on SmolLM2 leaves its own greedy forward after a
+# few tokens ("Paris----" where argmax of its forward gives "Paris, France."); its uncached
+# loop is the reference.
 @idiom
 def greedy_generate(model):
-    return model.generate(PROMPT, max_new_tokens=5, do_sample=False, verbose=False)
+    return model.generate(
+        PROMPT, max_new_tokens=5, do_sample=False, verbose=False, use_past_kv_cache=False
+    )
 
 
 @idiom
 def generate_tokens(model):
     tokens = model.to_tokens(PROMPT)
-    return model.generate(tokens, max_new_tokens=4, do_sample=False, verbose=False)
+    return model.generate(
+        tokens, max_new_tokens=4, do_sample=False, verbose=False, use_past_kv_cache=False
+    )
 
 
 # -- cache -----------------------------------------------------------------------------------
@@ -429,7 +436,8 @@ def hook_dict_holds_the_names(model):
 
 @idiom
 def mod_dict_hook_point(model):
-    return model.mod_dict["blocks.3.hook_resid_post"].name
+    point = model.mod_dict["blocks.3.hook_resid_post"]
+    return point is model.hook_dict["blocks.3.hook_resid_post"], point.layer()
 
 
 @idiom
@@ -441,7 +449,7 @@ def blocks_hook_point(model):
 def use_attn_result(model):
     model.set_use_attn_result(True)
     try:
-        return _cache(model)["result", 1]
+        return model.run_with_cache(PROMPT)[1]["result", 1]
     finally:
         model.set_use_attn_result(False)
 
