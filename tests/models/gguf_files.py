@@ -1,0 +1,128 @@
+"""Tiny random Llama models written as GGUF files by gguf-py, the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Types gguf-py's quantize() writes (it has no quantizer for the K-quants).
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+# K-quants: byte offsets of each block's fp16 super-scales in gguf-py's layout (d, dmin...).
+K_QUANT_F16_OFFSETS = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+_LLAMA_LINEARS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama whose linears' input widths are multiples of 256 (one K-quant block)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's two rotary halves interleaved."""
+    shape = weights.shape
+    return (
+        weights.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
+
+
+def random_k_quant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid random blocks of a K-quant: random codes and sub-scales, small finite fp16 scales."""
+    qtype = GGMLQuantizationType[type_name]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in K_QUANT_F16_OFFSETS[type_name]:
+        scales = rng.uniform(1e-3, 1e-2, size=blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset : offset + 2] = (
+            scales[..., None].view(np.uint8).reshape(*blocks.shape[:2], 2)
+        )
+    return blocks.reshape(rows, -1)
+
+
+def _encode(
+    name: str, weights: np.ndarray, type_name: str, seed: int
+) -> tuple[np.ndarray, GGMLQuantizationType]:
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in ("F32", "F16"):
+        return weights.astype(np.float32 if type_name == "F32" else np.float16), qtype
+    if type_name in K_QUANT_F16_OFFSETS:
+        return random_k_quant_blocks(type_name, *weights.shape, seed=seed), qtype
+    return quantize(weights, qtype), qtype
+
+
+def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str], str]) -> Path:
+    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type."""
+    config = model.config
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+    def add(name: str, tensor: torch.Tensor, type_name: str, seed: int = 0) -> None:
+        data, qtype = _encode(name, tensor.detach().float().numpy(), type_name, seed)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+
+    add("token_embd.weight", model.model.embed_tokens.weight, "F32")
+    for index, layer in enumerate(model.model.layers):
+        add(f"blk.{index}.attn_norm.weight", layer.input_layernorm.weight, "F32")
+        add(f"blk.{index}.ffn_norm.weight", layer.post_attention_layernorm.weight, "F32")
+        for seed, (hf_name, gguf_name) in enumerate(_LLAMA_LINEARS.items()):
+            weight = layer.get_submodule(hf_name).weight.detach()
+            if gguf_name == "attn_q":
+                weight = torch.from_numpy(permute_rows(weight.numpy(), config.num_attention_heads))
+            elif gguf_name == "attn_k":
+                weight = torch.from_numpy(permute_rows(weight.numpy(), config.num_key_value_heads))
+            name = f"blk.{index}.{gguf_name}.weight"
+            add(name, weight, type_of(name), seed=100 * index + seed)
+    add("output_norm.weight", model.model.norm.weight, "F16")
+    add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
