@@ -12,13 +12,13 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import (
+from gguf_files import (  # noqa: E402
     K_QUANT_F16_OFFSETS,
     QUANTIZABLE,
     make_gguf_llama,
     permute_rows,
     write_gguf_llama,
-)  # noqa: E402
+)
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
