@@ -134,3 +134,16 @@ def test_weight_reads_are_guarded_and_dequantize_loads_floats(files, kind):
     for name, tensor in floats.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
     assert torch.equal(W_Q(floats, 0), packed_w_q)
+
+
+@pytest.mark.parametrize("kind", ["TQ1_0", "TQ2_0"])
+def test_types_without_a_qlens_codec_load_as_gguf_py_floats(tmp_path, kind):
+    path = write_gguf_llama(make_gguf_llama(), tmp_path / f"tiny-{kind}.gguf", lambda _: kind)
+    bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    assert not any(isinstance(m, QuantLinear) for m in bridge.model.modules())
+    reference = dict(_transformers_float(path).named_parameters())
+    for name, tensor in bridge.model.named_parameters():
+        assert torch.equal(tensor, reference[name]), name
+    expected = _gguf_values(gguf.GGUFReader(str(path)))
+    down = bridge.model.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(down, expected["blk.1.ffn_down.weight"])
