@@ -97,6 +97,10 @@ def test_linears_stay_gguf_blocks_that_decode_to_gguf_py_values(files, kind):
             values = permute_rows(values, N_KV_HEADS)
         np.testing.assert_array_equal(values, expected[gguf_name], err_msg=name)
     formats = sorted({m.payload.format.name for m in quantized.values()})
+    if kind == "mixed":
+        assert formats == ["gguf_q4_k", "gguf_q5_0", "gguf_q6_k", "gguf_q8_0"]
+    else:
+        assert formats == [f"gguf_{kind.lower()}"]
     assert audit_weights(bridge.model).formats == formats
 
 
