@@ -132,6 +132,10 @@ def test_weight_reads_are_guarded_and_dequantize_loads_floats(files, kind):
     assert "gguf_" in str(error.value)
     with bridge.dequantized():
         packed_w_q = W_Q(bridge, 0)
+    with qlens.dequantized():  # the process-wide opt-in reads the same values
+        assert torch.equal(W_Q(bridge, 0), packed_w_q)
+    with pytest.raises(NotImplementedError, match="read W_Q of layer 0"):
+        W_Q(bridge, 0)  # refused again once the context has exited
     floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
     reference = dict(_transformers_float(path).named_parameters())
     assert not any(isinstance(m, QuantLinear) for m in floats.model.modules())
