@@ -82,6 +82,38 @@ class OutputSite(Site):
         return [self.module.register_forward_hook(hook)]
 
 
+class PositionEmbeddingSite(Site):
+    """``hook_pos_embed`` [batch pos d_model]: the learned position embedding, one row per
+    sequence as in TransformerLens (GPT-2 computes it once, [1 pos d_model], and broadcasts).
+
+    The batch size comes from the model call's ``input_ids`` / ``inputs_embeds``.
+    """
+
+    def __init__(self, model: nn.Module, module: nn.Module, name: str) -> None:
+        self.model, self.module, self.names = model, module, (name,)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+        batch: list[int] = []  # of the current model call
+
+        def record_batch(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            if tokens is None:
+                tokens = kwargs.get("inputs_embeds")
+            batch[:] = [tokens.shape[0]] if isinstance(tokens, Tensor) and tokens.ndim >= 2 else []
+
+        def hook(_m: nn.Module, _args: Any, output: Any) -> Any:
+            x = _first(output)
+            if batch and x.ndim == 3 and x.shape[0] == 1 != batch[0]:
+                x = x.expand(batch[0], -1, -1).contiguous()
+            return _with_first(output, _fire(points, name, x, self.shape))
+
+        return [
+            self.model.register_forward_pre_hook(record_batch, with_kwargs=True),
+            self.module.register_forward_hook(hook),
+        ]
+
+
 class InputSite(Site):
     """A module's first positional input."""
 
