@@ -179,7 +179,7 @@ class NormSite(Site):
     """``<prefix>.hook_scale`` [batch pos 1], ``hook_normalized`` and ``hook_out`` [batch pos d].
 
     As in TransformerLens: the scale is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps)
-    (RMSNorm), computed in float32 from the norm's input; ``hook_normalized`` is the (centered)
+    (RMSNorm), computed and shown in float32 (for bf16/fp16 models too) from the norm's input; ``hook_normalized`` is the (centered)
     input divided by it, before the weight; ``hook_out`` is the norm module's output. Editing the
     scale or the normalized input rebuilds the output as ``normalized * weight + bias``
     (``1 + weight`` where the family offsets it).
@@ -215,12 +215,12 @@ class NormSite(Site):
             y = _first(output)
             if points[scale_name].is_active or points[normalized_name].is_active:
                 centered, variance = self.centered_and_variance(args[0])
-                scale = variance.sqrt().to(y.dtype)
+                scale = variance.sqrt()  # float32 for every model dtype, as in TransformerLens
                 new_scale = _fire(points, scale_name, scale, self.shape)
                 if new_scale is scale:  # x * rsqrt(var + eps), as the HF norms compute it
-                    normalized = (centered * variance.rsqrt_()).to(y.dtype)
+                    normalized = centered * variance.rsqrt_()
                 else:
-                    normalized = (centered / new_scale.float()).to(y.dtype)
+                    normalized = centered / new_scale.float()
                 new_normalized = _fire(points, normalized_name, normalized, self.shape)
                 if new_scale is not scale or new_normalized is not normalized:
                     y = self.affine(new_normalized, y.dtype)
