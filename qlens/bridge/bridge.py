@@ -125,7 +125,7 @@ class Bridge(HookSwitches, ModelAPI):
         self._store: dict[str, Tensor] = {}
         self._sites: list[taps.Site] = [taps.OutputSite(self.embed, "hook_embed")]
         if self.pos_embed is not None:
-            self._sites.append(taps.OutputSite(self.pos_embed, "hook_pos_embed"))
+            self._sites.append(taps.PositionEmbeddingSite(model, self.pos_embed, "hook_pos_embed"))
         for rl in self._layers:
             self._sites += build_layer_sites(rl, a, self.cfg, self._store, model)
         self._sites.append(taps.NormSite(self.ln_final, "ln_final", rms, a.norm_weight_offset))

@@ -23,9 +23,17 @@ _DEFAULT_ATTRS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
+SWITCH_FIELDS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+SETTABLE_FIELDS = ("default_prepend_bos", "default_padding_side", *SWITCH_FIELDS)
+
+
+@dataclass
 class BridgeConfig:
     """Architecture facts; ``n_experts``/``experts_per_token`` are 0 for dense models.
+
+    As in TransformerLens, the tokenization defaults (``default_prepend_bos``,
+    ``default_padding_side``) can be set, and setting a ``use_*`` switch calls the bridge's
+    ``set_use_*`` (same checks, same effect); the architecture facts are read-only.
 
     Also answers the names TransformerLens code reads (``n_key_value_heads``, ``d_vocab_out``,
     ``device``, ``dtype``, ``original_architecture``...); ``device`` and ``dtype`` are read from
@@ -72,6 +80,41 @@ class BridgeConfig:
     model_placement: Callable[[], tuple[torch.device, torch.dtype]] | None = field(
         default=None, repr=False, compare=False
     )
+    # the bridge's set_use_* switch, by field name (set by the bridge)
+    switch_setter: Callable[[str, bool], None] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        fields = self.__dataclass_fields__
+        if name in fields and name not in self.__dict__:  # __init__
+            object.__setattr__(self, name, value)
+        elif name in SWITCH_FIELDS:
+            if self.switch_setter is None:
+                raise ValueError(f"this config is not attached to a bridge, so cfg.{name} is fixed")
+            self.switch_setter(name, value)  # records the value through record_switch
+        elif name == "default_prepend_bos":
+            if not isinstance(value, bool):
+                raise TypeError(f"cfg.default_prepend_bos takes True or False, got {value!r}")
+            object.__setattr__(self, name, value)
+        elif name == "default_padding_side":
+            if value not in ("left", "right"):
+                raise ValueError(f"cfg.default_padding_side takes 'left' or 'right', got {value!r}")
+            object.__setattr__(self, name, value)
+        elif name in fields or hasattr(type(self), name):
+            raise AttributeError(
+                f"cfg.{name} is a fact of the wrapped model and cannot be set; the settable "
+                f"fields are {', '.join(SETTABLE_FIELDS)}"
+            )
+        else:
+            raise AttributeError(
+                f"BridgeConfig has no field {name!r}; the settable fields are "
+                f"{', '.join(SETTABLE_FIELDS)}"
+            )
+
+    def record_switch(self, name: str, value: bool) -> None:
+        """Record a ``use_*`` switch the bridge has checked and applied."""
+        object.__setattr__(self, name, value)
 
     @property
     def n_key_value_heads(self) -> int:

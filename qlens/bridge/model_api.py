@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -49,6 +49,7 @@ class ModelAPI:
     ln_final: nn.Module
     unembed: nn.Module
     _layers: list[Any]
+    _set_switch_from_cfg: Callable[[str, bool], None]
 
     def _setup_model_api(self) -> None:
         """Attach the live device/dtype and tokenizer facts to ``cfg``; build ``blocks``."""
@@ -59,6 +60,7 @@ class ModelAPI:
             tokenizer_prepends_bos=prepends,
             n_devices=max(len(devices), 1),
             model_placement=self._placement,
+            switch_setter=self._set_switch_from_cfg,
             original_architecture=self.cfg.original_architecture or type(self.model).__name__,
         )
         self.blocks: tuple[BlockView, ...] = build_blocks(self)

@@ -87,6 +87,11 @@ def unknown_name_error(name: str, valid: Iterable[str]) -> KeyError:
     valid = list(valid)
     close = difflib.get_close_matches(name, valid, n=5, cutoff=0.5)
     hint = f"closest valid names: {', '.join(close)}" if close else "no close match"
+    if name == "hook_pos_embed":
+        hint = (
+            "it has no learned position embedding: rotary models see positions in attn.hook_rot_q"
+        )
+        hint += " and attn.hook_rot_k"
     return KeyError(
         f"unknown hook name {name!r} for this model ({hint}); "
         f"bridge.hook_names lists all {len(valid)} valid names"

@@ -7,7 +7,6 @@ The forward is the same either way: the opt-in values are computed only while ho
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +16,10 @@ SWITCHED_SUFFIXES: dict[str, tuple[str, ...]] = {
     "use_hook_mlp_in": ("hook_mlp_in",),
     "use_attn_result": ("attn.hook_result",),
 }
+
+
+# switches that cannot both be on, as in TransformerLens
+EXCLUSIVE_SWITCHES = {"use_attn_in": "use_split_qkv_input", "use_split_qkv_input": "use_attn_in"}
 
 
 class HookSwitches:
@@ -29,12 +32,12 @@ class HookSwitches:
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Allow ``attn.hook_q_input``/``hook_k_input``/``hook_v_input`` ``[batch pos head
         d_model]``: per-head copies of the residual, normalized and projected per head."""
-        self._set("use_split_qkv_input", use_split_qkv_input, other="use_attn_in")
+        self._set("use_split_qkv_input", use_split_qkv_input)
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """Allow ``blocks.{i}.hook_attn_in`` ``[batch pos head d_model]``: one per-head copy
         of the residual feeding q, k and v."""
-        self._set("use_attn_in", use_attn_in, other="use_split_qkv_input")
+        self._set("use_attn_in", use_attn_in)
 
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Allow ``blocks.{i}.hook_mlp_in`` ``[batch pos d_model]``: the MLP norm's input."""
@@ -45,7 +48,8 @@ class HookSwitches:
         either way)."""
         self._set("use_attn_result", use_attn_result)
 
-    def _set(self, key: str, value: bool, other: str | None = None) -> None:
+    def _set(self, key: str, value: Any) -> None:
+        other = EXCLUSIVE_SWITCHES.get(key)
         if not isinstance(value, bool):
             raise TypeError(f"set_{key} takes True or False, got {value!r}")
         switches = self._switch_state
@@ -62,7 +66,11 @@ class HookSwitches:
             )
         switches[key] = value
         # TransformerLens code reads the switch from the config, as `model.cfg.use_attn_result`
-        self.cfg = dataclasses.replace(self.cfg, **{key: value})
+        self.cfg.record_switch(key, value)
+
+    def _set_switch_from_cfg(self, key: str, value: Any) -> None:
+        """``bridge.cfg.<key> = value``: the same as ``bridge.set_<key>(value)``."""
+        self._set(key, value)
 
     def _switched_on_names(self) -> list[str]:
         """The opt-in names whose switch is on, for ``names_filter=None``."""

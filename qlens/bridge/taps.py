@@ -82,6 +82,38 @@ class OutputSite(Site):
         return [self.module.register_forward_hook(hook)]
 
 
+class PositionEmbeddingSite(Site):
+    """``hook_pos_embed`` [batch pos d_model]: the learned position embedding, one row per
+    sequence as in TransformerLens (GPT-2 computes it once, [1 pos d_model], and broadcasts).
+
+    The batch size comes from the model call's ``input_ids`` / ``inputs_embeds``.
+    """
+
+    def __init__(self, model: nn.Module, module: nn.Module, name: str) -> None:
+        self.model, self.module, self.names = model, module, (name,)
+
+    def attach(self, points: Points) -> list[RemovableHandle]:
+        name = self.names[0]
+        batch: list[int] = []  # of the current model call
+
+        def record_batch(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            if tokens is None:
+                tokens = kwargs.get("inputs_embeds")
+            batch[:] = [tokens.shape[0]] if isinstance(tokens, Tensor) and tokens.ndim >= 2 else []
+
+        def hook(_m: nn.Module, _args: Any, output: Any) -> Any:
+            x = _first(output)
+            if batch and x.ndim == 3 and x.shape[0] == 1 != batch[0]:
+                x = x.expand(batch[0], -1, -1).contiguous()
+            return _with_first(output, _fire(points, name, x, self.shape))
+
+        return [
+            self.model.register_forward_pre_hook(record_batch, with_kwargs=True),
+            self.module.register_forward_hook(hook),
+        ]
+
+
 class InputSite(Site):
     """A module's first positional input."""
 
@@ -147,7 +179,7 @@ class NormSite(Site):
     """``<prefix>.hook_scale`` [batch pos 1], ``hook_normalized`` and ``hook_out`` [batch pos d].
 
     As in TransformerLens: the scale is sqrt(var + eps) (LayerNorm) or sqrt(mean(x^2) + eps)
-    (RMSNorm), computed in float32 from the norm's input; ``hook_normalized`` is the (centered)
+    (RMSNorm), computed and shown in float32 (for bf16/fp16 models too) from the norm's input; ``hook_normalized`` is the (centered)
     input divided by it, before the weight; ``hook_out`` is the norm module's output. Editing the
     scale or the normalized input rebuilds the output as ``normalized * weight + bias``
     (``1 + weight`` where the family offsets it).
@@ -183,12 +215,12 @@ class NormSite(Site):
             y = _first(output)
             if points[scale_name].is_active or points[normalized_name].is_active:
                 centered, variance = self.centered_and_variance(args[0])
-                scale = variance.sqrt().to(y.dtype)
+                scale = variance.sqrt()  # float32 for every model dtype, as in TransformerLens
                 new_scale = _fire(points, scale_name, scale, self.shape)
                 if new_scale is scale:  # x * rsqrt(var + eps), as the HF norms compute it
-                    normalized = (centered * variance.rsqrt_()).to(y.dtype)
+                    normalized = centered * variance.rsqrt_()
                 else:
-                    normalized = (centered / new_scale.float()).to(y.dtype)
+                    normalized = centered / new_scale.float()
                 new_normalized = _fire(points, normalized_name, normalized, self.shape)
                 if new_scale is not scale or new_normalized is not normalized:
                     y = self.affine(new_normalized, y.dtype)

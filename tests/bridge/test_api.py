@@ -27,7 +27,9 @@ def test_unknown_name_lists_close_names() -> None:
     with pytest.raises(KeyError, match=r"blocks\.1\.attn\.hook_pattern"):
         bridge.run_with_cache(TOKENS, names_filter=["blocks.1.attn.hook_patern"])
     # a name valid for other families but not this one
-    with pytest.raises(KeyError, match="hook_pos_embed"):
+    with pytest.raises(
+        KeyError, match="'hook_pos_embed'.*no learned position embedding.*hook_rot_q"
+    ):
         bridge.add_hook("hook_pos_embed", lambda x, hook: None)
     neox = Bridge(tiny_model("gpt_neox"))
     assert "blocks.0.hook_resid_mid" not in neox.hook_names

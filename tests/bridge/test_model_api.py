@@ -276,3 +276,51 @@ def test_quantized_properties_refuse_outside_dequantized(word_tokenizer):
             )  # int8 with group 32: |error| <= scale / 2 of weights ~N(0, 0.02)
         assert quantized.OV.shape == bridge.OV.shape
         assert quantized.accumulated_bias(2).shape == (64,)
+
+
+def test_tokenization_defaults_are_settable_on_cfg(word_tokenizer):
+    model = tiny_model("llama")
+    bridge, tl = Bridge(model, word_tokenizer), tl_bridge(model, word_tokenizer)
+    prompts = [PROMPT, "the cat sat"]
+    for side in (bridge, tl):
+        side.cfg.default_prepend_bos = False
+        side.cfg.default_padding_side = "left"
+    # TL 4.3's bridge pads on the tokenizer's side whatever its cfg says (HookedTransformer
+    # read cfg.default_padding_side, as qlens does), so its side is passed explicitly
+    ours, theirs = bridge.to_tokens(prompts), tl.to_tokens(prompts, padding_side="left")
+    assert torch.equal(ours, theirs)
+    assert ours[1, 0].item() == word_tokenizer.pad_token_id  # padded on the left, no BOS
+    assert bridge.cfg.default_prepend_bos is False and bridge.cfg.default_padding_side == "left"
+
+
+def test_cfg_switches_call_set_use(word_tokenizer):
+    bridge = Bridge(tiny_model("llama"), word_tokenizer)
+    bridge.cfg.use_attn_in = True
+    assert bridge.cfg.use_attn_in is True
+    _, cache = bridge.run_with_cache(
+        torch.tensor([[1, 5, 6]]), names_filter="blocks.0.hook_attn_in"
+    )
+    assert cache["blocks.0.hook_attn_in"].shape == (1, 3, bridge.cfg.n_heads, bridge.cfg.d_model)
+    with pytest.raises(ValueError, match="cannot both be on"):
+        bridge.cfg.use_split_qkv_input = True
+    with pytest.raises(TypeError, match="takes True or False"):
+        bridge.cfg.use_attn_in = 1
+    bridge.cfg.use_attn_in = False
+    with pytest.raises(ValueError, match=r"set_use_attn_in\(True\)"):
+        bridge.run_with_cache(torch.tensor([[1, 5, 6]]), names_filter="blocks.0.hook_attn_in")
+
+
+def test_cfg_architecture_facts_are_read_only(word_tokenizer):
+    cfg = Bridge(tiny_model("llama"), word_tokenizer).cfg
+    with pytest.raises(AttributeError, match=r"cfg\.n_heads is a fact of the wrapped model.*"
+                       r"default_prepend_bos, default_padding_side"):  # fmt: skip
+        cfg.n_heads = 8
+    with pytest.raises(AttributeError, match="cfg.dtype is a fact"):
+        cfg.dtype = torch.float16
+    with pytest.raises(AttributeError, match="no field 'n_head'"):
+        cfg.n_head = 8
+    with pytest.raises(ValueError, match="takes 'left' or 'right', got 'middle'"):
+        cfg.default_padding_side = "middle"
+    with pytest.raises(TypeError, match="takes True or False, got 0"):
+        cfg.default_prepend_bos = 0
+    assert cfg.n_heads == 4 and cfg.default_padding_side == "right"

@@ -297,3 +297,38 @@ def test_switches_are_checked() -> None:
     bridge.set_use_attn_result(True)
     _, cache = bridge.run_with_cache(_tokens())
     assert "blocks.0.attn.hook_result" in cache
+
+
+def test_norm_hooks_are_float32_on_a_bf16_model(word_tokenizer) -> None:
+    """As in TransformerLens, hook_scale and hook_normalized stay float32 for bf16 models."""
+    model = _model_with_random_norms("llama").to(torch.bfloat16)
+    config_dir = tempfile.mkdtemp()
+    model.config.save_pretrained(config_dir)
+    word_tokenizer.save_pretrained(config_dir)
+    tl = TransformerBridge.boot_transformers(
+        config_dir,
+        hf_model=copy.deepcopy(model),
+        tokenizer=T.AutoTokenizer.from_pretrained(config_dir),
+    )
+    bridge = Bridge(model, word_tokenizer)
+    names = [f"blocks.0.ln1.{s}" for s in ("hook_scale", "hook_normalized", "hook_out")]
+    with torch.no_grad():
+        _, ours = bridge.run_with_cache(_tokens(), names_filter=names)
+        _, theirs = tl.run_with_cache(_tokens(), names_filter=names)
+    for name in names:  # layer 0's norm reads the same bf16 embeddings: the same float32 ops
+        assert ours[name].dtype == theirs[name].dtype, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
+    assert ours[names[0]].dtype == ours[names[1]].dtype == torch.float32
+    assert ours[names[2]].dtype == torch.bfloat16
+    outputs = []  # the norm's output after a float32 edit, as TransformerLens rebuilds it
+
+    def capture(x: torch.Tensor, hook) -> None:  # noqa: ANN001
+        outputs.append(x.clone())
+
+    hooks = [(names[1], _halve), (names[2], capture)]
+    with torch.no_grad():
+        bridge.run_with_hooks(_tokens(), fwd_hooks=hooks, stop_at_layer=1)
+        tl.run_with_hooks(_tokens(), fwd_hooks=hooks, stop_at_layer=1)
+    assert outputs[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert not torch.equal(outputs[0], ours[names[2]])

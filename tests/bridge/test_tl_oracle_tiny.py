@@ -69,15 +69,29 @@ def test_shared_hooks(pair):
     assert len(compared) >= 20, compared
     for name in compared:
         theirs = pair.tl_cache[name]
-        ours = pair.cache[name].expand_as(theirs)  # hook_pos_embed: see the test below
-        torch.testing.assert_close(ours, theirs, **TOL, msg=name)
+        torch.testing.assert_close(pair.cache[name], theirs, **TOL, msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason="qlens' hook_pos_embed is [1 pos d_model] for a batch")
 def test_pos_embed_has_the_batch_dim(pair):
     if "hook_pos_embed" not in pair.tl_cache:
         pytest.skip("rotary model: no learned position embedding")
     assert pair.cache["pos_embed"].shape == pair.tl_cache["pos_embed"].shape
+
+
+def test_patching_one_row_of_pos_embed(pair):
+    """The position embedding has a row per sequence: zeroing row 1 leaves row 0 untouched."""
+    if "hook_pos_embed" not in pair.tl_cache:
+        pytest.skip("rotary model: no learned position embedding")
+
+    def zero_second_row(x, hook):  # out of place: TransformerLens' rows share memory
+        return x * torch.tensor([1.0, 0.0]).view(2, 1, 1)
+
+    hooks = [("hook_pos_embed", zero_second_row)]
+    ours = pair.qlens.run_with_hooks(TOKENS, fwd_hooks=hooks)
+    theirs = pair.tl.run_with_hooks(TOKENS, fwd_hooks=hooks)
+    torch.testing.assert_close(ours, theirs, **TOL)
+    torch.testing.assert_close(ours[0], pair.logits[0], **TOL)
+    assert not torch.allclose(ours[1], pair.logits[1])
 
 
 def test_attention_scores_agree_where_unmasked(pair):
