@@ -1,6 +1,10 @@
 """Every viewer in JupyterLab with Chromium: it renders as a widget, reacts in the browser
-within the time targets, shows its saved state when reopened without a kernel, and nothing
+without the kernel, shows its saved state when reopened without a kernel, and nothing
 leaves 127.0.0.1. The report page fits 1280 and 800 px windows.
+
+The tests record each viewer's load and interaction times; ``QLENS_VIEWER_TIMINGS=path`` writes
+them there as JSON (``benchmarks/viewer_latency.py`` runs this module and tabulates them against
+the targets; times are measured, never asserted, here).
 
 One JupyterLab server and one notebook (docs/viewers.md's cells) serve the whole module.
 Screenshots go to the directory printed at the start (``QLENS_ARTIFACTS`` to choose it).
@@ -23,9 +27,6 @@ from viewer_notebook import write_notebook
 
 pytestmark = pytest.mark.browser
 
-# Targets on a 2-core machine: input to the next paint, and a viewer's first drawing.
-INTERACTION_MS = 100.0
-LOAD_MS = 1000.0
 VIEWERS = {
     "attention": ".qlens-attention",
     "logit_lens": ".qlens-lens",
@@ -35,9 +36,21 @@ VIEWERS = {
 BROKEN_TEXT = ("Loading widget", "Error displaying widget", "object at 0x", "model not found")
 RUN_CELLS_TIMEOUT_MS = 240_000
 SAVE_TIMEOUT_S = 180
-# Every measured time (ms), checked against the targets by the last test.
+# Every measured time (ms), written out by `_timings_file` when the module ends.
 TIMINGS: dict[str, float] = {}
 LOADS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _timings_file():
+    """Write the measured times to ``QLENS_VIEWER_TIMINGS`` (if set) once the module ran."""
+    yield
+    target = os.environ.get("QLENS_VIEWER_TIMINGS")
+    if target:
+        report = {"load_ms": LOADS, "interaction_ms": TIMINGS, "load_average": os.getloadavg()}
+        Path(target).write_text(json.dumps(report, indent=1))
+
+
 KERNEL_DIALOG_MS = 15_000
 
 # In-page timing: run an input, then resolve after the next paint.
@@ -467,19 +480,3 @@ def test_report_fits_the_window(browser, tmp_path, artifacts, width):
     assert overflow == []
     assert offsite.urls == []
     page.close()
-
-
-def test_interaction_and_load_times_meet_the_targets(live):
-    """Hover, click and slider <= 100 ms to the next paint; a viewer's first drawing <= 1 s
-    (30 layers, 128 tokens). The targets are for a 2-core machine running nothing else: on a
-    machine whose load average exceeds its cores the times are printed, not judged."""
-    expected = {"attention", "logit_lens", "activations", "drift"}
-    if set(LOADS) != expected or len(TIMINGS) < 8:
-        pytest.skip("the per-viewer browser tests did not all run")
-    report = {"load_ms": LOADS, "interaction_ms": TIMINGS, "load_average": os.getloadavg()}
-    print(f"\nbrowser timings: {json.dumps(report, indent=1)}")
-    cores = os.cpu_count() or 1
-    if os.getloadavg()[0] > cores:
-        pytest.skip(f"load average {os.getloadavg()[0]:.1f} exceeds {cores} cores: {report}")
-    assert max(LOADS.values()) <= LOAD_MS, LOADS
-    assert max(TIMINGS.values()) <= INTERACTION_MS, TIMINGS

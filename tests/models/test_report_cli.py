@@ -61,7 +61,8 @@ def test_default_report_of_the_default_model(tmp_path, capsys):
 
     labels = ["reference", *DEFAULT_SCHEMES]
     assert [v["label"] for v in report["run"]["versions"]] == labels
-    assert report["run"]["tokens"] == ["The", " capital", " of", " France", " is"]
+    # the bridge prepends the tokenizer's BOS by default, as TransformerLens does
+    assert report["run"]["tokens"] == ["<|im_start|>", "The", " capital", " of", " France", " is"]
     assert report["top_predictions"]["reference"][0]["token"] == " Paris"
     assert all(len(report["top_predictions"][label]) == 5 for label in labels)
 

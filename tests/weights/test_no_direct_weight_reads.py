@@ -21,6 +21,9 @@ ALLOWED_DIRS = {
     "quant": "implements quantization on raw storage",
     # Triton kernels and their dispatch consume packed payloads, never float weight matrices.
     "kernels": "consumes packed payloads",
+    # The quantized modules (QuantLinear, QuantExperts, rerouting, quantize, save/load) build
+    # payloads from, and swap, the stored tensors of the layers they replace.
+    "modules": "builds packed modules from stored tensors",
 }
 ALLOWED_FILES = {
     # The accessor layer: the one place weights are read (and written) for analysis.
@@ -31,6 +34,15 @@ ALLOWED_FILES = {
     # The weight audit of `qlens report`: lists every parameter's shape, dtype and stored bytes
     # (metadata only, never values) next to the guard's verdict on it.
     "report/audit.py": "lists every parameter's shape, dtype and size",
+    # Loading: checks which stored tensors a checkpoint filled, swaps loaded tensors into their
+    # modules and refuses float experts in quantized checkpoints (dtype checks, no values read).
+    "load_checks.py": "checks checkpoint keys and expert dtypes",
+    "packed_load.py": "records which parameters a packed load filled",
+    "quantize_on_load.py": "quantizes each layer as its tensors arrive",
+    # The bridge forwards nn.Module's parameter listing to the wrapped model.
+    "bridge/model_api.py": "forwards named_parameters to the wrapped model",
+    # A norm's hook recomputes the norm's own affine step in the forward, as the module does.
+    "bridge/taps.py": "applies a norm's weight in its forward hook",
 }
 # Attribute reads, matched with string literals blanked out (adapter tables name module paths
 # such as "mlp.down_proj" in strings), and getattr by name, matched on the code as written.
