@@ -79,7 +79,8 @@ _MODELS: dict[str, torch.nn.Module] = {}
 
 
 def tiny_model(arch: str) -> torch.nn.Module:
-    """A cached tiny fp32 model in eval mode; tests must not modify its weights."""
+    """A cached tiny fp32 model in eval mode, shared by the tests of a process: they must not
+    modify its weights nor leave PyTorch hooks on it (``tests/bridge/conftest.py`` checks)."""
     if arch not in _MODELS:
         torch.manual_seed(0)
         model = T.AutoModelForCausalLM.from_config(_configs()[arch]).eval()
@@ -88,6 +89,23 @@ def tiny_model(arch: str) -> torch.nn.Module:
                 torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
         _MODELS[arch] = model
     return _MODELS[arch]
+
+
+def drop_hooked_models() -> list[str]:
+    """Remove from the cache every model that carries a PyTorch hook (the next ``tiny_model``
+    call builds it afresh); return their hooked modules as ``arch:module``."""
+    hooked = {
+        arch: [
+            f"{arch}:{name or '<root>'}"
+            for name, m in model.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+        ]
+        for arch, model in _MODELS.items()
+    }
+    for arch, modules in hooked.items():
+        if modules:
+            del _MODELS[arch]
+    return [m for modules in hooked.values() for m in modules]
 
 
 def make_word_tokenizer(prepend_bos: bool = False) -> T.PreTrainedTokenizerFast:

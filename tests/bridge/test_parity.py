@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from bridge_models import ARCHS, tiny_model
@@ -37,7 +39,9 @@ def runs() -> dict[str, tuple]:
         acts: dict[str, torch.Tensor] = {}
         save = _saver(acts)
         with torch.no_grad():
-            hf = model(tokens, output_hidden_states=True)
+            # on a copy: HF installs output-capturing forward hooks on the first
+            # output_hidden_states call and never removes them
+            hf = copy.deepcopy(model)(tokens, output_hidden_states=True)
             logits = bridge.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, save)])
         out[arch] = (bridge, tokens, hf, acts, logits)
     return out
