@@ -15,10 +15,7 @@ from tl_oracle import tl_bridge
 pytestmark = pytest.mark.slow
 
 # idioms that need a feature not in qlens yet: name -> the missing feature
-MISSING: dict[str, str] = {
-    "ablate_a_head": "attn.hook_v holds the key/value heads (3 on SmolLM2), TransformerLens' "
-    "one per query head (9)",
-}
+MISSING: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -364,8 +364,10 @@ def accumulated_bias(model):
 # -- hooks -------------------------------------------------------------------------------------
 @idiom
 def ablate_a_head(model):
+    # SmolLM2 has 3 key/value heads for its 9 query heads: hook_v is [batch pos 3 d_head], so
+    # zeroing value head 2 ablates query heads 6-8, which read it
     def zero_head(value, hook):
-        value[:, :, 3] = 0.0
+        value[:, :, 2] = 0.0
         return value
 
     return model.run_with_hooks(

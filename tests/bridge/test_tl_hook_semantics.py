@@ -111,6 +111,7 @@ def _halve(x: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
         ("blocks.1.attn.hook_k", _zero_head(0)),
         ("blocks.0.attn.hook_rot_q", _zero_head(2)),
         ("blocks.1.attn.hook_rot_k", _zero_head(1)),
+        ("blocks.0.attn.hook_v", _zero_head(1)),
         ("blocks.0.ln1.hook_normalized", _halve),
         ("blocks.1.ln2.hook_scale", _halve),
         ("blocks.0.ln2.hook_out", _halve),
@@ -126,6 +127,31 @@ def test_patching_changes_logits_as_in_transformer_lens(arch: str, hook, word_to
         theirs = tl.run_with_hooks(tokens, fwd_hooks=[hook])
     assert (ours - clean).abs().max() > 1e-3  # the edit matters
     assert (ours - theirs).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("arch", ORACLE_ARCHS)
+def test_grouped_query_attention_hooks_have_the_key_value_heads(arch: str, word_tokenizer) -> None:
+    """On a GQA model (4 query heads, 2 key/value heads) hook_k, hook_rot_k and hook_v hold the
+    key/value heads, as in TransformerLens 4.3; query head h reads key/value head
+    h // (n_heads // n_kv_heads), so an edit of one key/value head reaches its group only."""
+    bridge, tl = pair(arch, word_tokenizer)
+    cfg = bridge.cfg
+    assert (cfg.n_heads, cfg.n_kv_heads) == (4, 2)
+    names = [f"blocks.0.attn.hook_{s}" for s in ("k", "rot_k", "v", "z")]
+    tokens = _tokens()
+    with torch.no_grad():
+        _, ours = bridge.run_with_cache(tokens, names_filter=names)
+        _, theirs = tl.run_with_cache(tokens, names_filter=names)
+        with bridge.hooks(fwd_hooks=[("blocks.0.attn.hook_v", _zero_head(1))]):
+            _, ablated = bridge.run_with_cache(tokens, names_filter=names[-1])
+    for name in names:
+        heads = cfg.n_heads if name.endswith("_z") else cfg.n_kv_heads
+        assert ours[name].shape == theirs[name].shape == (2, 7, heads, cfg.d_head), name
+        assert (ours[name] - theirs[name]).abs().max() <= TOL, name
+    z, ablated_z = ours["blocks.0.attn.hook_z"], ablated["blocks.0.attn.hook_z"]
+    assert torch.equal(ablated_z[:, :, :2], z[:, :, :2])  # group 0 reads key/value head 0
+    assert torch.equal(ablated_z[:, :, 2:], torch.zeros_like(z[:, :, 2:]))
+    assert z[:, :, 2:].abs().min() > 0
 
 
 def test_projection_hooks_keep_the_fused_attention_kernel() -> None:
