@@ -11,9 +11,9 @@ from qlens.bridge import taps
 from qlens.bridge.adapters.base import Adapter
 from qlens.bridge.config import BridgeConfig, resolve_flag
 from qlens.bridge.names import MLP_IN_NAME, SPLIT_INPUT_NAMES, LayerLayout
-from qlens.bridge.projection_taps import FusedQKSite, ProjectionHeadsSite
+from qlens.bridge.projection_taps import FusedQKSite, FusedQKV, ProjectionHeadsSite
 from qlens.bridge.routing import route
-from qlens.bridge.split_inputs import SplitInputSite
+from qlens.bridge.split_inputs import FusedSplitInputSite, SplitInputSite
 
 
 def get_module(root: nn.Module, path: str | None) -> nn.Module | None:
@@ -67,7 +67,7 @@ def resolve_layers(model: nn.Module, adapter: Adapter) -> list[ResolvedLayer]:
             moe=moe,
             gated="mlp_gate" in modules or "mlp_gate_up" in modules,
             rotary=adapter.positional_embedding_type == "rotary",
-            separate_qkv=all(name in modules for name in ("q", "k", "v")),
+            split_inputs="qkv" in modules or all(name in modules for name in ("q", "k", "v")),
         )
         resolved.append(ResolvedLayer(i, layer, modules, layout))
     return resolved
@@ -89,8 +89,9 @@ def build_layer_sites(
     sites: list[taps.Site] = [
         taps.LayerInputSite(rl.layer, p + "hook_resid_pre", store),
         taps.NormSite(m["ln1"], p + "ln1", rms, offset),
+        # before hook_q/hook_k's sites on the same projections: they see the per-head result
+        *_split_input_sites(rl, adapter, cfg, store),
         *_pre_rotary_sites(rl, adapter, cfg),
-        *_split_input_sites(rl, cfg, store),
         taps.ResultSite(m["o"], p + "attn.hook_result", cfg.n_heads, owner),
         taps.OutputSite(m["attn"], p + "hook_attn_out"),
     ]
@@ -142,7 +143,7 @@ def build_layer_sites(
     # the [batch pos] shape to sites that see [batch*pos ...] tensors.
     if not rl.layout.parallel:
         sites[0].also_needed_by = (p + "hook_resid_mid",)
-    if rl.layout.separate_qkv:
+    if rl.layout.split_inputs:
         sites[0].also_needed_by += tuple(p + n for n in SPLIT_INPUT_NAMES)
     if adapter.flattens_tokens:
         sites[0].also_needed_by = tuple(n for site in sites for n in site.names)
@@ -170,30 +171,33 @@ def _pre_rotary_sites(rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig) ->
             f"adapter {adapter.family!r} names neither q/k projections nor a fused qkv with its "
             "qkv_layout, so attn.hook_q/hook_k have no site"
         )
-    layout = adapter.qkv_layout
-    return [FusedQKSite(m["qkv"], q, k, layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)]
+    return [FusedQKSite(m["qkv"], q, k, _fused_qkv(adapter, cfg))]
 
 
 def _split_input_sites(
-    rl: ResolvedLayer, cfg: BridgeConfig, store: dict[str, Tensor]
+    rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig, store: dict[str, Tensor]
 ) -> list[taps.Site]:
-    """The per-head q/k/v input hooks, on layers with separate q/k/v projections."""
-    if not rl.layout.separate_qkv:
+    """The per-head q/k/v input hooks, on separate q/k/v projections or a fused qkv."""
+    if not rl.layout.split_inputs:
         return []
     m, p = rl.modules, f"blocks.{rl.index}."
     q_in, k_in, v_in, attn_in = (p + n for n in SPLIT_INPUT_NAMES)
+    names, resid_pre = (q_in, k_in, v_in, attn_in), p + "hook_resid_pre"
+    if "qkv" in m:
+        fused = _fused_qkv(adapter, cfg)
+        return [FusedSplitInputSite(m["qkv"], fused, m["ln1"], names, resid_pre, store)]
+    qkv = (m["q"], m["k"], m["v"])
     return [
         SplitInputSite(
-            (m["q"], m["k"], m["v"]),
-            m["ln1"],
-            (q_in, k_in, v_in, attn_in),
-            p + "hook_resid_pre",
-            store,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.d_head,
+            qkv, m["ln1"], names, resid_pre, store, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         )
     ]
+
+
+def _fused_qkv(adapter: Adapter, cfg: BridgeConfig) -> FusedQKV:
+    if adapter.qkv_layout is None:
+        raise ValueError(f"adapter {adapter.family!r} names a fused qkv but no qkv_layout")
+    return FusedQKV(adapter.qkv_layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
 
 
 def _config_of(rl: ResolvedLayer) -> object:

@@ -16,8 +16,8 @@ LN_NAMES = ("hook_scale", "hook_normalized", "hook_out")
 PROJECTION_NAMES = ("hook_q", "hook_k", "hook_v")
 ROTARY_NAMES = ("hook_rot_q", "hook_rot_k")
 ATTN_TAIL_NAMES = ("hook_attn_scores", "hook_pattern", "hook_z", "hook_result")
-# Per-head copies of the residual feeding q/k/v (TransformerLens' split inputs), when the
-# layer has separate q/k/v projections; and the residual entering the MLP's norm.
+# Per-head copies of the residual feeding q/k/v (TransformerLens' split inputs), on separate
+# q/k/v projections or a fused qkv of known layout; and the residual entering the MLP's norm.
 SPLIT_INPUT_NAMES = ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input", "hook_attn_in")
 MLP_IN_NAME = "hook_mlp_in"
 # Opt-in names: only computed when asked for by name (not by names_filter=None), or by
@@ -35,7 +35,7 @@ class LayerLayout:
     moe: bool
     gated: bool
     rotary: bool = False
-    separate_qkv: bool = False
+    split_inputs: bool = False  # q/k/v projections the per-head inputs can run through
 
 
 def attention_hook_names(prefix: str, rotary: bool) -> list[str]:
@@ -48,7 +48,7 @@ def layer_hook_names(i: int, layout: LayerLayout) -> list[str]:
     """Every canonical name of layer ``i``, in the order the forward fires them."""
     p = f"blocks.{i}."
     names = [p + "hook_resid_pre", *(p + "ln1." + n for n in LN_NAMES)]
-    if layout.separate_qkv:
+    if layout.split_inputs:
         names += [p + n for n in SPLIT_INPUT_NAMES]
     names += attention_hook_names(p, layout.rotary)
     names.append(p + "hook_attn_out")

@@ -7,6 +7,8 @@ return, before any q/k norm (Qwen3, Gemma 3) and before rotary; ``hook_rot_q``/`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,24 +44,18 @@ class ProjectionHeadsSite(Site):
         return [self.module.register_forward_hook(hook)]
 
 
-class FusedQKSite(Site):
-    """``hook_q`` and ``hook_k`` on a fused qkv projection's output.
+@dataclass(frozen=True)
+class FusedQKV:
+    """Where q, k and v sit in a fused qkv projection's output ``[... out]``.
 
-    ``qkv_blocks``: ``[all q | all k | all v]``; ``per_head_qkv``: each head's ``[q | k | v]``.
+    ``qkv_blocks``: ``[all q | all k | all v]`` (GPT-2, Phi-3); ``per_head_qkv``: each head's
+    ``[q | k | v]`` (GPT-NeoX).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        q_name: str,
-        k_name: str,
-        layout: QKVLayout,
-        n_heads: int,
-        n_kv_heads: int,
-        d_head: int,
-    ) -> None:
-        self.module, self.names, self.layout = module, (q_name, k_name), layout
-        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
+    layout: QKVLayout
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
 
     def split(self, output: Tensor) -> list[Tensor]:
         """q, k, v as ``[... head*d_head]`` (per-head layout: gathered from each head)."""
@@ -69,21 +65,30 @@ class FusedQKSite(Site):
         q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         return list(output.split([q_width, kv_width, kv_width], dim=-1))
 
-    def join(self, parts: list[Tensor]) -> Tensor:
+    def join(self, parts: Sequence[Tensor]) -> Tensor:
+        """The fused output holding ``parts`` = q, k, v ``[... head*d_head]``."""
         if self.layout == "per_head_qkv":
             heads = [p.unflatten(-1, (self.n_heads, self.d_head)) for p in parts]
             return torch.stack(heads, dim=-2).flatten(-3)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(list(parts), dim=-1)
+
+
+class FusedQKSite(Site):
+    """``hook_q`` and ``hook_k`` on a fused qkv projection's output."""
+
+    def __init__(self, module: nn.Module, q_name: str, k_name: str, fused: FusedQKV) -> None:
+        self.module, self.names, self.fused = module, (q_name, k_name), fused
 
     def attach(self, points: Points) -> list[RemovableHandle]:
         q_name, k_name = self.names
+        d_head = self.fused.d_head
 
         def hook(_m: nn.Module, _args: Any, output: Tensor) -> Tensor:
-            q, k, v = self.split(output)
-            new_q = _fire_heads(points, q_name, q, self.d_head)
-            new_k = _fire_heads(points, k_name, k, self.d_head)
+            q, k, v = self.fused.split(output)
+            new_q = _fire_heads(points, q_name, q, d_head)
+            new_k = _fire_heads(points, k_name, k, d_head)
             if new_q is q and new_k is k:
                 return output
-            return self.join([new_q, new_k, v])
+            return self.fused.join([new_q, new_k, v])
 
         return [self.module.register_forward_hook(hook)]

@@ -61,8 +61,8 @@ class HookSwitches:
         names = [n for n in self.hook_names if n.endswith(SWITCHED_SUFFIXES[key])]
         if value and not names:
             raise ValueError(
-                f"this model has no {', '.join(SWITCHED_SUFFIXES[key])} hooks (they need "
-                "separate q/k/v projections), so set_" + key + " cannot take effect"
+                f"this model has no {', '.join(SWITCHED_SUFFIXES[key])} hooks (its adapter "
+                "names no q/k/v or fused qkv projection), so set_" + key + " cannot take effect"
             )
         switches[key] = value
         # TransformerLens code reads the switch from the config, as `model.cfg.use_attn_result`

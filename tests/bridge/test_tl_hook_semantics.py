@@ -242,7 +242,22 @@ def test_generate_returns_strings_without_the_prepended_bos(word_tokenizer) -> N
     assert plain[0, :2].tolist() == [4, 5]
 
 
-@pytest.mark.parametrize("arch", ORACLE_ARCHS)
+def _from_previous_position(head: int):  # noqa: ANN202
+    """Head ``head``'s copy takes the previous position's values (an edit norms cannot undo)."""
+
+    def edit(x: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
+        x = x.clone()
+        x[:, :, head] = x.roll(1, dims=1)[:, :, head]
+        return x
+
+    return edit
+
+
+# fused qkv: GPT-2's Conv1D [q|k|v], GPT-NeoX's per-head [q k v] blocks, Phi-3's [q|k|v] with GQA
+SPLIT_ARCHS = [*ORACLE_ARCHS, "gpt2", "gpt_neox", "phi3"]
+
+
+@pytest.mark.parametrize("arch", SPLIT_ARCHS)
 @pytest.mark.parametrize(
     ("switch", "names", "edited"),
     [
@@ -251,6 +266,16 @@ def test_generate_returns_strings_without_the_prepended_bos(word_tokenizer) -> N
             ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input"),
             "blocks.0.attn.hook_q_input",
         ),
+        (
+            "set_use_split_qkv_input",
+            ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input"),
+            "blocks.1.attn.hook_k_input",
+        ),
+        (
+            "set_use_split_qkv_input",
+            ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input"),
+            "blocks.0.attn.hook_v_input",
+        ),
         ("set_use_attn_in", ("hook_attn_in",), "blocks.1.hook_attn_in"),
         ("set_use_hook_mlp_in", ("hook_mlp_in",), "blocks.0.hook_mlp_in"),
     ],
@@ -258,19 +283,27 @@ def test_generate_returns_strings_without_the_prepended_bos(word_tokenizer) -> N
 def test_split_input_hooks_equal_transformer_lens(
     arch: str, switch: str, names: tuple[str, ...], edited: str, word_tokenizer
 ) -> None:
+    """The per-head inputs hold TransformerLens' values; an edit of one head's copy gives
+    TransformerLens' q/k/v (hook_q/hook_k/hook_v fire on what the edited copies produce) and
+    logits."""
     bridge, tl = pair(arch, word_tokenizer)
     tokens = _tokens()
-    full = [f"blocks.{i}.{n}" for i in range(bridge.cfg.n_layers) for n in names]
+    n_layers = bridge.cfg.n_layers
+    full = [f"blocks.{i}.{n}" for i in range(n_layers) for n in names]
+    projections = [f"blocks.{i}.attn.hook_{s}" for i in range(n_layers) for s in "qkv"]
     with pytest.raises(ValueError, match=rf"fires only with bridge\.{switch}\(True\)"):
         bridge.run_with_cache(tokens, names_filter=full)
     getattr(bridge, switch)(True)
     getattr(tl, switch)(True)
+    edit = [(edited, _from_previous_position(1))]
     try:
         with torch.no_grad():
             ours_logits, ours = bridge.run_with_cache(tokens)  # switched names are cached
             _, theirs = tl.run_with_cache(tokens, names_filter=full)
-            patched = bridge.run_with_hooks(tokens, fwd_hooks=[(edited, _zero_head(1))])
-            tl_patched = tl.run_with_hooks(tokens, fwd_hooks=[(edited, _zero_head(1))])
+            with bridge.hooks(fwd_hooks=edit):
+                patched, ours_patched = bridge.run_with_cache(tokens, names_filter=projections)
+            with tl.hooks(fwd_hooks=edit):
+                tl_patched, theirs_patched = tl.run_with_cache(tokens, names_filter=projections)
             clean = bridge(tokens)
     finally:
         getattr(bridge, switch)(False)
@@ -279,19 +312,24 @@ def test_split_input_hooks_equal_transformer_lens(
     for name in full:
         assert ours[name].shape == theirs[name].shape, name
         assert (ours[name] - theirs[name]).abs().max() <= TOL, name
+    for name in projections:
+        assert (ours_patched[name] - theirs_patched[name]).abs().max() <= TOL, name
     assert (patched - clean).abs().max() > 1e-3
     assert (patched - tl_patched).abs().max() <= TOL
 
 
-def test_split_inputs_run_through_quantized_projections() -> None:
-    """The projection modules run per head, so int8 q/k/v projections serve the split path
-    without reading a weight: unedited it gives the plain forward's logits, and an edit of one
-    head's copy changes them."""
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_split_inputs_run_through_quantized_projections(arch: str) -> None:
+    """The projection modules run per head, so int8 q/k/v or fused qkv projections serve the
+    split path without reading a weight: unedited it gives the plain forward's logits, and an
+    edit of one head's copy changes them."""
     import qlens
 
-    float_bridge = Bridge(tiny_model("llama"))
+    float_bridge = Bridge(tiny_model(arch))
     bridge = qlens.quantize(float_bridge, "int8", skip=["lm_head", "*embed*", "*.mlp.*"])
-    assert type(bridge.model.model.layers[0].self_attn.q_proj).__name__ == "QuantLinear"
+    layer = bridge._layers[0].modules
+    attention_inputs = ("q", "k", "v") if "q" in layer else ("qkv",)
+    assert {type(layer[m]).__name__ for m in attention_inputs} == {"QuantLinear"}
     bridge.set_use_split_qkv_input(True)
     tokens = _tokens()
     with torch.no_grad():
@@ -301,7 +339,7 @@ def test_split_inputs_run_through_quantized_projections() -> None:
             tokens, fwd_hooks=[("blocks.0.attn.hook_q_input", lambda x, hook: None)]
         )
         edited = bridge.run_with_hooks(
-            tokens, fwd_hooks=[("blocks.0.attn.hook_k_input", _zero_head(0))]
+            tokens, fwd_hooks=[("blocks.0.attn.hook_k_input", _from_previous_position(0))]
         )
     resid = cache["blocks.0.attn.hook_v_input"]
     assert resid.shape == (2, 7, bridge.cfg.n_kv_heads, bridge.cfg.d_model)
@@ -315,8 +353,6 @@ def test_switches_are_checked() -> None:
     bridge.set_use_split_qkv_input(True)
     with pytest.raises(ValueError, match="cannot both be on"):
         bridge.set_use_attn_in(True)
-    with pytest.raises(ValueError, match="need separate q/k/v projections"):
-        Bridge(tiny_model("phi3")).set_use_split_qkv_input(True)
     _, cache = bridge.run_with_cache(_tokens())
     assert "blocks.1.attn.hook_q_input" in cache and "blocks.1.hook_attn_in" not in cache
     assert "blocks.0.attn.hook_result" not in cache
