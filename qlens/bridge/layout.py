@@ -166,10 +166,10 @@ def _pre_rotary_sites(rl: ResolvedLayer, adapter: Adapter, cfg: BridgeConfig) ->
             ProjectionHeadsSite(m["q"], q, cfg.d_head),
             ProjectionHeadsSite(m["k"], k, cfg.d_head),
         ]
-    if "qkv" not in m or adapter.qkv_layout is None:
+    if "qkv" not in m:
         raise ValueError(
-            f"adapter {adapter.family!r} names neither q/k projections nor a fused qkv with its "
-            "qkv_layout, so attn.hook_q/hook_k have no site"
+            f"adapter {adapter.family!r} names neither q/k projections nor a fused qkv, so "
+            "attn.hook_q/hook_k have no site"
         )
     return [FusedQKSite(m["qkv"], q, k, _fused_qkv(adapter, cfg))]
 
@@ -196,7 +196,10 @@ def _split_input_sites(
 
 def _fused_qkv(adapter: Adapter, cfg: BridgeConfig) -> FusedQKV:
     if adapter.qkv_layout is None:
-        raise ValueError(f"adapter {adapter.family!r} names a fused qkv but no qkv_layout")
+        raise ValueError(
+            f"adapter {adapter.family!r} names a fused qkv but no qkv_layout, so its q/k/v "
+            "parts cannot be found; set qkv_layout in the adapter table"
+        )
     return FusedQKV(adapter.qkv_layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
 
 
