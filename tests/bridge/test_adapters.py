@@ -80,3 +80,18 @@ def test_bridge_does_not_touch_parameters(arch: str) -> None:
     with torch.no_grad():
         bridge.run_with_cache(torch.tensor([[5, 6, 7]]))
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+
+
+def test_a_fused_qkv_needs_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused qkv's layout places hook_q/hook_k and the split inputs: an adapter without it,
+    or without any q/k projection on a rotary model, is refused when the bridge is built."""
+    import dataclasses
+
+    phi3 = ADAPTERS["phi3"]
+    monkeypatch.setitem(ADAPTERS, "phi3", dataclasses.replace(phi3, qkv_layout=None))
+    with pytest.raises(ValueError, match="'phi3' names a fused qkv but no qkv_layout"):
+        Bridge(tiny_model("phi3"))
+    no_qkv = dataclasses.replace(phi3, layer=dataclasses.replace(phi3.layer, qkv=None))
+    monkeypatch.setitem(ADAPTERS, "phi3", no_qkv)
+    with pytest.raises(ValueError, match="names neither q/k projections nor a fused qkv"):
+        Bridge(tiny_model("phi3"))
