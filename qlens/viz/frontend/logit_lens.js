@@ -14,6 +14,12 @@ function render({ model, el }) {
 
   const root = make("div", "qlens-viewer qlens-lens");
   const tip = tooltip(root);
+  const choose = chooser(model);
+  const controls = controlBar();
+  const unbind = [
+    selectControl(controls, model, choose, "position", "position", model.get("position_labels")).unbind,
+    sliderControl(controls, model, choose, "top_k", "top k", 1, nRanks).unbind,
+  ];
   const scroll = make("div", "qlens-scroll");
   const grid = make("table", "qlens-grid");
   // Thousands of cells: built as one HTML string, coloured from a table of 256 styles.
@@ -30,7 +36,7 @@ function render({ model, el }) {
   const columns = tokens.map((_, pos) => Array.from(grid.rows, (row) => row.cells[pos + 1]));
   grid.addEventListener("click", (event) => {
     const cell = event.target.closest("td.qlens-cell, th.qlens-pos");
-    if (cell) select(model, { position: Number(cell.dataset.pos) });
+    if (cell) choose({ position: Number(cell.dataset.pos) });
   });
   grid.addEventListener("mouseover", (event) => {
     const cell = event.target.closest("td.qlens-cell");
@@ -51,7 +57,7 @@ function render({ model, el }) {
   const topk = make("table", "qlens-topk");
   tableScroll.appendChild(topk);
   const legendRow = legend({ signed: false, bound: 1 }, "top-1 probability");
-  root.append(legendRow, scroll, caption, tableScroll);
+  root.append(controls, legendRow, scroll, caption, tableScroll);
   el.appendChild(root);
 
   let marked = -1;
@@ -93,12 +99,15 @@ function render({ model, el }) {
   };
   markPosition();
   drawTable();
+  const showFallback = hideStaticFallback(model);
   markLoaded(root, started);
   model.on("change:position", onPosition);
   model.on("change:top_k", drawTable);
   return () => {
     model.off("change:position", onPosition);
     model.off("change:top_k", drawTable);
+    unbind.forEach((off) => off());
+    showFallback();
   };
 }
 
