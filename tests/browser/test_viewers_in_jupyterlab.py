@@ -163,7 +163,8 @@ def _time_input(page, act, event: str, attribute: str, expected: str) -> float:
     element's ``attribute`` becomes ``expected`` (measured in the page)."""
     page.evaluate(
         """([event, attribute, expected]) => {
-          window.qlensKeyTime = new Promise((resolve) => {
+          window.qlensKeyTime = new Promise((resolve, reject) => {
+            setTimeout(() => reject(new Error(`no ${attribute}="${expected}" after ${event}`)), 30000);
             let started = null;
             const onKey = () => { started = performance.now(); };
             document.addEventListener(event, onKey, { capture: true, once: true });
@@ -378,7 +379,8 @@ LAST_SELECTIONS = [
     {"neuron": "1"},
     {"log-scale": "true"},
 ]
-WIDGET_OUTPUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.widget-view+json']"
+# The widget output of a viewer: the output right before its static fallback.
+WIDGET_OUTPUT = ".jp-OutputArea-child:has(+ .jp-OutputArea-child .qlens-static)"
 
 
 def test_reopened_without_a_kernel_the_last_views_show(
@@ -408,7 +410,9 @@ def test_reopened_without_a_kernel_the_last_views_show(
     assert "No Kernel" in page.locator(".jp-NotebookPanel-toolbar").inner_text()
     widget_outputs = page.locator(WIDGET_OUTPUT)
     assert widget_outputs.count() == len(VIEWERS)
-    assert all(widget_outputs.nth(i).is_hidden() for i in range(len(VIEWERS)))
+    for i in range(len(VIEWERS)):
+        assert widget_outputs.nth(i).text_content() == "Loading widget..."  # and hidden
+        assert widget_outputs.nth(i).is_hidden()
     images = page.locator(".qlens-static img[src^='data:image/png']")
     assert images.count() == len(VIEWERS)
     assert all(images.nth(i).evaluate("(img) => img.naturalWidth > 0") for i in range(4))

@@ -167,8 +167,13 @@ function chooser(model) {
 }
 
 // The viewer's own selectors: plain inputs in a bar above the drawing, each bound to a trait.
+// Keys pressed in it (arrows on a slider...) stay with its inputs: the notebook's shortcuts
+// (arrows select cells) must not take them.
 function controlBar() {
-  return make("div", "qlens-controls");
+  const bar = make("div", "qlens-controls");
+  bar.dataset.lmSuppressShortcuts = "true";
+  bar.addEventListener("keydown", (event) => event.stopPropagation());
+  return bar;
 }
 
 // Bind `input` to `trait`: its `event` sets the trait to `read()` (unless null); a change of the
