@@ -88,7 +88,7 @@ function matrixTable(labels, rows, name, log, tip) {
   const head = make("tr");
   head.appendChild(make("th", "qlens-corner", "layer \\ head"));
   rows[0].forEach((_, h) => head.appendChild(make("th", "", String(h))));
-  table.appendChild(head);
+  table.appendChild(make("thead")).appendChild(head);
   rows.forEach((row, layer) => {
     const tr = make("tr");
     tr.appendChild(make("th", "qlens-layer", labels[layer]));
