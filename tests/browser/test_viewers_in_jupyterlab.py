@@ -269,8 +269,14 @@ def test_logit_lens_reacts_in_the_browser(live, artifacts):
         ".querySelectorAll('td')[40].click()",
     )
     assert root.get_attribute("data-position") == "40"
-    marked = page.locator(".qlens-lens .qlens-grid .qlens-selected")
-    assert marked.count() == 1 + 31  # the header and one cell per layer (30 blocks + final)
+    # One box outlines the column: from the header over every layer's cell (30 blocks + final).
+    mark = page.locator(".qlens-lens .qlens-column-mark").bounding_box()
+    header = page.locator(".qlens-lens .qlens-grid th.qlens-pos").nth(40).bounding_box()
+    rows = page.locator(".qlens-lens .qlens-grid tr")
+    assert rows.count() == 1 + 31
+    last_cell = rows.nth(31).locator("td").nth(40).bounding_box()
+    assert abs(mark["x"] - header["x"]) < 1 and abs(mark["width"] - header["width"]) < 1
+    assert mark["y"] <= header["y"] and mark["y"] + mark["height"] >= last_cell["y"] + 1
     rows_before = page.locator(".qlens-lens .qlens-topk tr").first.locator("th").count()
     assert page.locator(".qlens-lens select[data-trait='position']").input_value() == "40"
     slider = page.locator(".qlens-lens input[data-trait='top_k']")
