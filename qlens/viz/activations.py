@@ -82,7 +82,7 @@ class ActivationView(BrowserView):
 
     _esm = traitlets.Unicode(module_source("activations")).tag(sync=True)
     tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    hook_groups = traitlets.List().tag(sync=True)
+    hook_groups: traitlets.List[list] = traitlets.List().tag(sync=True)
     hook = traitlets.Unicode().tag(sync=True)
     shown_hook = traitlets.Unicode().tag(sync=True)
     n_features = traitlets.Int(1).tag(sync=True)
