@@ -1,6 +1,7 @@
-"""Every viewer in JupyterLab with Chromium: it renders as a widget, reacts in the browser
-without the kernel, shows its saved state when reopened without a kernel, and nothing
-leaves 127.0.0.1. The report page fits 1280 and 800 px windows.
+"""Every viewer in JupyterLab with Chromium: it renders as a widget with its own selectors,
+reacts in the browser without the kernel, shows the static view of its last selection when
+reopened without a kernel or untrusted, and nothing leaves 127.0.0.1. The report page fits 1280
+and 800 px windows.
 
 The tests record each viewer's load and interaction times; ``QLENS_VIEWER_TIMINGS=path`` writes
 them there as JSON (``benchmarks/viewer_latency.py`` runs this module and tabulates them against
