@@ -310,7 +310,18 @@ def test_activation_heatmap_reacts_in_the_browser(live, artifacts):
     tip = page.locator(".qlens-activations .qlens-tip")
     assert tip.is_visible() and tip.inner_text().startswith("5 ")
     _shot(page, "activations", artifacts, "activation_heatmap")
-    _wait_for_fallback(page, {"neuron": "1"})
+    # Another layer's hook: the browser asks the kernel, which sends that hook's values.
+    assert root.get_attribute("data-hook") == "blocks.0.hook_resid_post"
+    page.locator(".qlens-activations select[data-trait='hook-layer']").select_option("1")
+    kind = page.locator(".qlens-activations select[data-trait='hook-kind']")
+    assert kind.input_value() == "hook_resid_post"  # the kind is kept
+    page.wait_for_selector(".qlens-activations[data-hook='blocks.1.hook_resid_post']")
+    assert page.locator(".qlens-activations .qlens-message").inner_text() == ""
+    after_hook = page.locator(".qlens-activations .qlens-token").first.evaluate(
+        "(node) => node.style.background"
+    )
+    assert after_hook != after and root.get_attribute("data-shown") == "neuron 1"
+    _wait_for_fallback(page, {"hook": "blocks.1.hook_resid_post", "neuron": "1"})
     TIMINGS.update({"activations neuron box": neuron_ms, "activations token hover": hover_ms})
 
 
