@@ -228,7 +228,7 @@ def test_attention_explorer_reacts_in_the_browser(live, artifacts):
     page, _ = live
     root = page.locator(".qlens-attention")
     assert root.get_attribute("data-head") == "0"
-    # A click on head 2's thumbnail selects it; the head slider follows through the jslink.
+    # A click on head 2's thumbnail selects it; the viewer's head slider follows.
     thumb_ms = page.evaluate(
         TIME_TO_PAINT, "document.querySelectorAll('.qlens-attention .qlens-thumb')[2].click()"
     )
