@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from pngs import inline_pngs
+from traitlets.config import Config
 
 from qlens.viz import AttentionExplorer, DriftDashboard, fallback
 from qlens.viz.fallback import fallback_html
@@ -18,13 +20,19 @@ COLUMNS = {"layers": [0, 1, 2], "cosine": [0.999, 0.99, 0.98], "kl": [0.0, 0.001
 
 @pytest.fixture(scope="module")
 def shell(tmp_path_factory):
-    """An IPython shell (its files in a temporary directory) for ``display`` to publish through."""
+    """An IPython shell for ``display`` to publish through (its files in a temporary directory,
+    no history); removed afterwards, with the hooks it installed."""
     if InteractiveShell.initialized():
-        return InteractiveShell.instance()
-    ipython_dir = tmp_path_factory.mktemp("ipython")
+        yield InteractiveShell.instance()
+        return
+    hooks = sys.displayhook, sys.excepthook
+    config = Config()
+    config.HistoryManager.enabled = False
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("IPYTHONDIR", str(ipython_dir))
-        return InteractiveShell.instance()
+        patch.setenv("IPYTHONDIR", str(tmp_path_factory.mktemp("ipython")))
+        yield InteractiveShell.instance(config=config)
+    InteractiveShell.clear_instance()
+    sys.displayhook, sys.excepthook = hooks
 
 
 def _html(output) -> str:
