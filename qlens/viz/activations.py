@@ -74,13 +74,17 @@ def hook_groups(names: Sequence[str]) -> dict[str, dict[str, str]]:
 
 
 class ActivationView(BrowserView):
-    """The selected hook's ``[pos feature]`` values (float16) and each direction's projection
-    (float32 ``[direction pos]``, with an explanation where the widths differ); the selected
-    ``feature`` (0 for a neuron, else 1 + the direction's index) and ``neuron``."""
+    """The ``[pos feature]`` values (float16) of hook ``shown_hook`` and each direction's
+    projection (float32 ``[direction pos]``, with an explanation where the widths differ); the
+    selected ``hook`` (from ``hook_groups``: ``[layer, [[kind, name], ...]]``; a new one brings
+    its values from the kernel), ``feature`` (0 for a neuron, else 1 + the direction's index)
+    and ``neuron``."""
 
     _esm = traitlets.Unicode(module_source("activations")).tag(sync=True)
     tokens = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    hook_groups: traitlets.List[list] = traitlets.List().tag(sync=True)
     hook = traitlets.Unicode().tag(sync=True)
+    shown_hook = traitlets.Unicode().tag(sync=True)
     n_features = traitlets.Int(1).tag(sync=True)
     values = traitlets.Bytes().tag(sync=True)
     directions = traitlets.List(traitlets.Unicode()).tag(sync=True)
@@ -105,7 +109,9 @@ class ActivationHeatmap(Viewer):
     ``neuron`` (index into the hook's flattened trailing dims, e.g. ``head * d_head + i`` for
     ``attn.hook_z``; disabled while a direction is shown). Neuron and direction changes redraw
     in the browser; a new hook sends that hook's values from the kernel. ``activations`` is an
-    ``ActivationCache`` or a dict of batched tensors.
+    ``ActivationCache`` or a dict of batched tensors. The selectors are ``ipywidgets`` controls
+    holding the selection in the kernel (``hook``, ``hook_layer`` and ``hook_kind`` are
+    ``Dropdown``s, ``neuron`` a ``BoundedIntText``); the browser draws its own.
     """
 
     def __init__(
@@ -143,13 +149,16 @@ class ActivationHeatmap(Viewer):
         self.feature = widgets.Dropdown(
             options=[NEURON, *self.directions], value=NEURON, description="feature"
         )
-        if not self.directions:
-            self.feature.layout.display = "none"
         self.neuron = widgets.BoundedIntText(
             value=0, min=0, max=self._width() - 1, description="neuron"
         )
         view = ActivationView(
-            tokens=[visible_token(t) for t in self.tokens], directions=list(self.directions)
+            tokens=[visible_token(t) for t in self.tokens],
+            directions=list(self.directions),
+            hook_groups=[
+                [layer, [[kind, name] for kind, name in kinds.items()]]
+                for layer, kinds in self.groups.items()
+            ],
         )
         self._send_hook(view)
         self.hook.observe(self._on_hook_change, names="value")
@@ -157,9 +166,12 @@ class ActivationHeatmap(Viewer):
         self.hook_kind.observe(self._on_group_change, names="value")
         self.feature.observe(self._on_feature_change, names="value")
         self._finish(
-            [self.hook_layer, self.hook_kind, self.feature, self.neuron],
             view,
-            [(self.feature, "index", "feature"), (self.neuron, "value", "neuron")],
+            [
+                (self.hook, "value", "hook"),
+                (self.feature, "index", "feature"),
+                (self.neuron, "value", "neuron"),
+            ],
         )
 
     def _group_of(self, name: str) -> tuple[str, str]:
@@ -182,7 +194,7 @@ class ActivationHeatmap(Viewer):
                 errors.append(_width_error(direction, vector.numel(), name, values.shape[1]))
         stacked = torch.stack(projections) if projections else torch.zeros(0)
         with view.hold_sync():
-            view.hook = name
+            view.hook = view.shown_hook = name
             view.n_features = values.shape[1]
             view.values = float16_bytes(values)
             view.projections = stacked.numpy().astype("<f4").tobytes()

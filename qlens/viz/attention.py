@@ -90,7 +90,8 @@ class AttentionExplorer(Viewer):
     Given ``compare`` (e.g. the cache of a quantized model on the same tokens), the view shows
     the reference, the comparison and their difference side by side. In the browser it also
     shows every head of the selected layer (click one to select it) and, on hovering a token,
-    the attention from or to it; none of this waits for the kernel.
+    the attention from or to it; none of this waits for the kernel. ``layer`` and ``head`` are
+    ``IntSlider`` controls holding the selection in the kernel.
     """
 
     def __init__(
@@ -134,11 +135,7 @@ class AttentionExplorer(Viewer):
             compare=b"" if self.compare is None else unit_uint8_bytes(self.compare),
             difference=b"" if self.compare is None else float16_bytes(self.compare - self.patterns),
         )
-        self._finish(
-            [self.layer, self.head],
-            view,
-            [(self.layer, "value", "layer"), (self.head, "value", "head")],
-        )
+        self._finish(view, [(self.layer, "value", "layer"), (self.head, "value", "head")])
 
     @property
     def displayed(self) -> dict[str, Float[Tensor, "q k"]]:

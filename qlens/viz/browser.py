@@ -29,6 +29,9 @@ def stylesheet() -> str:
 
 
 class BrowserView(anywidget.AnyWidget):
-    """The drawing area of a viewer: its data arrive once; selections redraw in the browser."""
+    """The drawing area of a viewer with its selectors: its data arrive once; selections
+    redraw in the browser. ``static_id`` names the static fallback displayed with it (which the
+    browser hides while the view is drawn)."""
 
     _css = traitlets.Unicode(stylesheet()).tag(sync=True)
+    static_id = traitlets.Unicode().tag(sync=True)

@@ -145,7 +145,8 @@ class DriftDashboard(Viewer):
     Per-layer series show as lines; per-layer-and-head matrices (``pattern_change``) as a
     layer × head heatmap (a sequential colour scale for non-negative values, diverging around 0
     otherwise); scalars (``logit_kl``, ``top1_agreement``...) as a summary line. Both selectors
-    redraw in the browser; ``log_scale`` is disabled for a metric with values <= 0.
+    redraw in the browser; ``log_scale`` is disabled for a metric with values <= 0. ``metric``
+    and ``log_scale`` are a ``Dropdown`` and a ``Checkbox`` holding the selection in the kernel.
     """
 
     def __init__(self, drift: Any, *, metric: str | None = None) -> None:
@@ -170,9 +171,7 @@ class DriftDashboard(Viewer):
             log_allowed=allowed,
         )
         self._finish(
-            [self.metric, self.log_scale],
-            view,
-            [(self.metric, "index", "metric"), (self.log_scale, "value", "log_scale")],
+            view, [(self.metric, "index", "metric"), (self.log_scale, "value", "log_scale")]
         )
 
     def _values(self, name: str) -> list[Any]:

@@ -35,7 +35,8 @@ def _flat(nested: list[list[list[int]]]) -> list[int]:
 
 class LogitLensView(BrowserView):
     """Ranked probabilities (float16) and token ids (uint32 indices into ``vocab``, the distinct
-    predicted strings) of every layer and position; the selected ``position`` and ``top_k``."""
+    predicted strings) of every layer and position; the selected ``position`` (offered by its
+    ``position_labels``) and ``top_k``."""
 
     _esm = traitlets.Unicode(module_source("logit_lens")).tag(sync=True)
     layer_labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
@@ -44,6 +45,7 @@ class LogitLensView(BrowserView):
     n_ranks = traitlets.Int().tag(sync=True)
     probs = traitlets.Bytes().tag(sync=True)
     token_ids = traitlets.Bytes().tag(sync=True)
+    position_labels = traitlets.List(traitlets.Unicode()).tag(sync=True)
     position = traitlets.Int(0).tag(sync=True)
     top_k = traitlets.Int(1).tag(sync=True)
 
@@ -90,8 +92,9 @@ class LogitLensTable(Viewer):
         self.top_tokens = [[list(cell) for cell in row] for row in top_tokens]
         self.layer_labels = list(layer_labels)
         self.tokens = list(tokens)
+        labels = position_labels(self.tokens)
         self.position = widgets.Dropdown(
-            options=[(label, i) for i, label in enumerate(position_labels(self.tokens))],
+            options=[(label, i) for i, label in enumerate(labels)],
             value=n_pos - 1,
             description="position",
         )
@@ -102,14 +105,11 @@ class LogitLensTable(Viewer):
             tokens=[visible_token(t) for t in self.tokens],
             vocab=[visible_token(t) for t in vocab],
             n_ranks=n_ranks,
+            position_labels=labels,
             probs=float16_bytes(self.probs),
             token_ids=uint32_bytes(torch.tensor(ids, dtype=torch.int64).reshape(probs.shape)),
         )
-        self._finish(
-            [self.position, self.top_k],
-            view,
-            [(self.position, "index", "position"), (self.top_k, "value", "top_k")],
-        )
+        self._finish(view, [(self.position, "index", "position"), (self.top_k, "value", "top_k")])
 
     @classmethod
     def from_bridge(

@@ -1,6 +1,7 @@
-"""Every viewer in JupyterLab with Chromium: it renders as a widget, reacts in the browser
-without the kernel, shows its saved state when reopened without a kernel, and nothing
-leaves 127.0.0.1. The report page fits 1280 and 800 px windows.
+"""Every viewer in JupyterLab with Chromium: it renders as a widget with its own selectors,
+reacts in the browser without the kernel, shows the static view of its last selection when
+reopened without a kernel or untrusted, and nothing leaves 127.0.0.1. The report page fits 1280
+and 800 px windows.
 
 The tests record each viewer's load and interaction times; ``QLENS_VIEWER_TIMINGS=path`` writes
 them there as JSON (``benchmarks/viewer_latency.py`` runs this module and tabulates them against
@@ -52,6 +53,9 @@ def _timings_file():
 
 
 KERNEL_DIALOG_MS = 15_000
+# The kernel re-renders a fallback half a second after the last selection change (a matplotlib
+# figure: up to a few seconds on a loaded machine).
+FALLBACK_UPDATE_MS = 60_000
 
 # In-page timing: run an input, then resolve after the next paint.
 TIME_TO_PAINT = """async (action) => {
@@ -160,7 +164,8 @@ def _time_input(page, act, event: str, attribute: str, expected: str) -> float:
     element's ``attribute`` becomes ``expected`` (measured in the page)."""
     page.evaluate(
         """([event, attribute, expected]) => {
-          window.qlensKeyTime = new Promise((resolve) => {
+          window.qlensKeyTime = new Promise((resolve, reject) => {
+            setTimeout(() => reject(new Error(`no ${attribute}="${expected}" after ${event}`)), 30000);
             let started = null;
             const onKey = () => { started = performance.now(); };
             document.addEventListener(event, onKey, { capture: true, once: true });
@@ -181,11 +186,30 @@ def _time_input(page, act, event: str, attribute: str, expected: str) -> float:
     return float(page.evaluate("() => window.qlensKeyTime"))
 
 
+def _fallback(page, selection: dict[str, str]):
+    """The static fallback showing ``selection`` (``data-*`` attributes of its root)."""
+    attributes = "".join(f"[data-{name}='{value}']" for name, value in selection.items())
+    return page.locator(f".qlens-static{attributes}")
+
+
+def _wait_for_fallback(page, selection: dict[str, str]) -> None:
+    """Wait until the kernel has re-rendered a static fallback for ``selection`` (the last
+    selection made in the browser); while its widget is drawn it stays hidden."""
+    fallback = _fallback(page, selection)
+    fallback.wait_for(state="attached", timeout=FALLBACK_UPDATE_MS)
+    assert fallback.is_hidden()
+
+
 def test_every_viewer_renders_as_a_widget(live, artifacts):
     page, offsite = live
     text = page.locator(".jp-NotebookPanel").inner_text()
     for broken in BROKEN_TEXT:
         assert broken not in text
+    # Each viewer's static fallback follows it and stays hidden while the widget is drawn.
+    fallbacks = page.locator(".qlens-static")
+    fallbacks.nth(len(VIEWERS) - 1).wait_for(state="attached")  # rendered after each widget
+    assert fallbacks.count() == len(VIEWERS)
+    assert all(fallbacks.nth(i).is_hidden() for i in range(len(VIEWERS)))
     loads = {}
     for kind, selector in VIEWERS.items():
         node = page.locator(selector)
@@ -204,13 +228,14 @@ def test_attention_explorer_reacts_in_the_browser(live, artifacts):
     page, _ = live
     root = page.locator(".qlens-attention")
     assert root.get_attribute("data-head") == "0"
-    # A click on head 2's thumbnail selects it; the head slider follows through the jslink.
+    # A click on head 2's thumbnail selects it; the viewer's head slider follows.
     thumb_ms = page.evaluate(
         TIME_TO_PAINT, "document.querySelectorAll('.qlens-attention .qlens-thumb')[2].click()"
     )
     assert root.get_attribute("data-head") == "2"
-    sliders = _output(page, "attention").locator(".widget-slider")
-    assert sliders.nth(1).locator(".widget-readout").inner_text().strip() == "2"
+    # The head slider follows the click; its readout too.
+    assert page.locator(".qlens-attention input[data-trait='head']").input_value() == "2"
+    assert page.locator(".qlens-attention .qlens-readout").nth(1).inner_text() == "2"
     hover_ms = page.evaluate(
         TIME_TO_PAINT,
         "document.querySelectorAll('.qlens-attention .qlens-token')[100]"
@@ -221,8 +246,9 @@ def test_attention_explorer_reacts_in_the_browser(live, artifacts):
     coloured = page.locator(".qlens-attention .qlens-token[title]").count()
     assert coloured == 128  # every token shows its attention from the hovered one
     _shot(page, "attention", artifacts, "attention_explorer")
-    handle = sliders.nth(0).locator(".noUi-handle")
-    slider_ms = _wait_paint_after_key(page, handle, "ArrowRight", "data-layer", "1")
+    layer = page.locator(".qlens-attention input[data-trait='layer']")
+    slider_ms = _wait_paint_after_key(page, layer, "ArrowRight", "data-layer", "1")
+    _wait_for_fallback(page, {"layer": "1", "head": "2"})
     TIMINGS.update(
         {
             "attention head click": thumb_ms,
@@ -244,14 +270,22 @@ def test_logit_lens_reacts_in_the_browser(live, artifacts):
         ".querySelectorAll('td')[40].click()",
     )
     assert root.get_attribute("data-position") == "40"
-    marked = page.locator(".qlens-lens .qlens-grid .qlens-selected")
-    assert marked.count() == 1 + 31  # the header and one cell per layer (30 blocks + final)
+    # One box outlines the column: from the header over every layer's cell (30 blocks + final).
+    mark = page.locator(".qlens-lens .qlens-column-mark").bounding_box()
+    header = page.locator(".qlens-lens .qlens-grid th.qlens-pos").nth(40).bounding_box()
+    rows = page.locator(".qlens-lens .qlens-grid tr")
+    assert rows.count() == 1 + 31
+    last_cell = rows.nth(31).locator("td").nth(40).bounding_box()
+    assert abs(mark["x"] - header["x"]) < 1 and abs(mark["width"] - header["width"]) < 1
+    assert mark["y"] <= header["y"] and mark["y"] + mark["height"] >= last_cell["y"] + 1
     rows_before = page.locator(".qlens-lens .qlens-topk tr").first.locator("th").count()
-    slider = _output(page, "logit_lens").locator(".widget-slider .noUi-handle")
+    assert page.locator(".qlens-lens select[data-trait='position']").input_value() == "40"
+    slider = page.locator(".qlens-lens input[data-trait='top_k']")
     top_k_ms = _wait_paint_after_key(page, slider, "ArrowLeft", "data-top-k", "4")
     rows_after = page.locator(".qlens-lens .qlens-topk tr").first.locator("th").count()
     assert (rows_before, rows_after) == (1 + 5, 1 + 4)
     _shot(page, "logit_lens", artifacts)
+    _wait_for_fallback(page, {"position": "40", "top-k": "4"})
     TIMINGS.update({"logit lens position click": click_ms, "logit lens top-k slider": top_k_ms})
 
 
@@ -262,7 +296,7 @@ def test_activation_heatmap_reacts_in_the_browser(live, artifacts):
     before = page.locator(".qlens-activations .qlens-token").first.evaluate(
         "(node) => node.style.background"
     )
-    box = _output(page, "activations").locator(".widget-inline-hbox input[type='number']").first
+    box = page.locator(".qlens-activations input[data-trait='neuron']")
     neuron_ms = _wait_paint_after_key(page, box, "ArrowUp", "data-shown", "neuron 1")
     after = page.locator(".qlens-activations .qlens-token").first.evaluate(
         "(node) => node.style.background"
@@ -276,6 +310,18 @@ def test_activation_heatmap_reacts_in_the_browser(live, artifacts):
     tip = page.locator(".qlens-activations .qlens-tip")
     assert tip.is_visible() and tip.inner_text().startswith("5 ")
     _shot(page, "activations", artifacts, "activation_heatmap")
+    # Another layer's hook: the browser asks the kernel, which sends that hook's values.
+    assert root.get_attribute("data-hook") == "blocks.0.hook_resid_post"
+    page.locator(".qlens-activations select[data-trait='hook-layer']").select_option("1")
+    kind = page.locator(".qlens-activations select[data-trait='hook-kind']")
+    assert kind.input_value() == "hook_resid_post"  # the kind is kept
+    page.wait_for_selector(".qlens-activations[data-hook='blocks.1.hook_resid_post']")
+    assert page.locator(".qlens-activations .qlens-message").inner_text() == ""
+    after_hook = page.locator(".qlens-activations .qlens-token").first.evaluate(
+        "(node) => node.style.background"
+    )
+    assert after_hook != after and root.get_attribute("data-shown") == "neuron 1"
+    _wait_for_fallback(page, {"hook": "blocks.1.hook_resid_post", "neuron": "1"})
     TIMINGS.update({"activations neuron box": neuron_ms, "activations token hover": hover_ms})
 
 
@@ -287,8 +333,9 @@ def test_drift_dashboard_reacts_in_the_browser(live, artifacts):
     headers = page.locator(".qlens-drift .qlens-matrix th")
     assert headers.first.inner_text() == "layer \\ head"
     _shot(page, "drift", artifacts, "drift_dashboard")
-    checkbox = _output(page, "drift").locator("input[type='checkbox']")
+    checkbox = page.locator(".qlens-drift input[data-trait='log_scale']")
     log_ms = _time_input(page, checkbox.click, "click", "data-log", "true")
+    _wait_for_fallback(page, {"log-scale": "true"})
     TIMINGS.update({"drift log scale": log_ms})
 
 
@@ -343,19 +390,23 @@ def _copy_without_kernel(saved: Path, target: Path) -> None:
     nbformat.write(notebook, target)
 
 
-# Measured with JupyterLab 4.6.6 and ipywidgets 8.1.9: a notebook opened where no kernel can
-# start stays "No Kernel | Initializing" and every widget output, saved state or not, shows
-# "Loading widget..." (the widget manager restores only once a session is ready); an untrusted
-# copy shows the same instead of its text/html. Strict: these pass once that changes.
-KERNELLESS_REOPEN = pytest.mark.xfail(
-    strict=True, reason="JupyterLab shows 'Loading widget...' for widgets of a kernel-less notebook"
-)
+# The selections the interaction tests above leave, as each viewer's fallback records them.
+LAST_SELECTIONS = [
+    {"layer": "1", "head": "2"},
+    {"position": "40", "top-k": "4"},
+    {"neuron": "1"},
+    {"log-scale": "true"},
+]
+# The widget output of a viewer: the output right before its static fallback.
+WIDGET_OUTPUT = ".jp-OutputArea-child:has(+ .jp-OutputArea-child .qlens-static)"
 
 
-@KERNELLESS_REOPEN
-def test_reopened_without_a_kernel_the_saved_viewers_show(
+def test_reopened_without_a_kernel_the_last_views_show(
     live, server, kernelless, browser, artifacts
 ):
+    # JupyterLab 4.6 with ipywidgets 8.1 restores no widget without a kernel (its widget manager
+    # waits for one): each viewer's static fallback, re-rendered by the kernel after the last
+    # selection, shows instead, and hides the widget output's "Loading widget...".
     saved = _saved_notebook(live, server)
     _copy_without_kernel(saved, kernelless.root / "reopened.ipynb")
     # The user's own notebook is trusted (JupyterLab signs what it saves; so does this).
@@ -367,22 +418,26 @@ def test_reopened_without_a_kernel_the_saved_viewers_show(
     )
     page, offsite = _open_without_kernel(browser, kernelless, "reopened.ipynb")
     try:
-        for selector in VIEWERS.values():
-            page.wait_for_selector(selector, timeout=60_000)
+        for selection in LAST_SELECTIONS:
+            _fallback(page, selection).wait_for(timeout=60_000)
     finally:
         page.screenshot(path=artifacts / "reopened.png", full_page=True)
     text = page.locator(".jp-NotebookPanel").inner_text()
     for broken in BROKEN_TEXT:
         assert broken not in text
     assert "No Kernel" in page.locator(".jp-NotebookPanel-toolbar").inner_text()
-    # The saved selections (head 2, position 40) are what shows.
-    assert page.locator(".qlens-attention").get_attribute("data-head") == "2"
-    assert page.locator(".qlens-lens").get_attribute("data-position") == "40"
+    widget_outputs = page.locator(WIDGET_OUTPUT)
+    assert widget_outputs.count() == len(VIEWERS)
+    for i in range(len(VIEWERS)):
+        assert widget_outputs.nth(i).text_content() == "Loading widget..."  # and hidden
+        assert widget_outputs.nth(i).is_hidden()
+    images = page.locator(".qlens-static img[src^='data:image/png']")
+    assert images.count() == len(VIEWERS)
+    assert all(images.nth(i).evaluate("(img) => img.naturalWidth > 0") for i in range(4))
     assert offsite.urls == []
     page.close()
 
 
-@KERNELLESS_REOPEN
 def test_reopened_untrusted_the_static_views_show(live, server, kernelless, browser, artifacts):
     saved = _saved_notebook(live, server)
     _copy_without_kernel(saved, kernelless.root / "untrusted.ipynb")

@@ -1,10 +1,10 @@
-"""Which selector traits a viewer links, in the browser, to its drawing area's traits."""
+"""Which kernel-side controls a viewer links to its view's selection traits."""
 
 from __future__ import annotations
 
 
-def browser_links(viewer) -> dict[str, tuple[object, str]]:
-    """``{view trait: (selector, selector trait)}`` of every jslink of ``viewer``."""
+def kernel_links(viewer) -> dict[str, tuple[object, str]]:
+    """``{view trait: (control, control trait)}`` of every link of ``viewer``."""
     links = {}
     for link in viewer._links:
         (source, source_trait), (target, target_trait) = link.source, link.target

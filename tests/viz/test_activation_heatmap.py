@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from links import browser_links
+from links import kernel_links
 from pngs import inline_pngs
 
 from qlens import ActivationCache
@@ -35,10 +35,15 @@ def test_the_browser_gets_the_hook_values_once_and_picks_neurons_itself(tiny_run
     assert view.hook == "blocks.0.hook_resid_pre" and view.n_features == 32
     sent = decode_float16(view.values, (7, 32))
     np.testing.assert_array_equal(sent, values.numpy().astype(np.float16).astype(np.float32))
-    links = browser_links(heatmap)
-    assert links == {"feature": (heatmap.feature, "index"), "neuron": (heatmap.neuron, "value")}
+    links = kernel_links(heatmap)
+    assert links == {
+        "hook": (heatmap.hook, "value"),
+        "feature": (heatmap.feature, "index"),
+        "neuron": (heatmap.neuron, "value"),
+    }
     heatmap.hook_layer.value = "1"  # same kind in another layer: new values from the kernel
-    assert heatmap.hook.value == "blocks.1.hook_resid_pre" and view.hook == heatmap.hook.value
+    assert heatmap.hook.value == "blocks.1.hook_resid_pre"
+    assert view.hook == view.shown_hook == heatmap.hook.value
     sent = decode_float16(view.values, (7, 32))
     expected = cache["blocks.1.hook_resid_pre"][0].numpy().astype(np.float16)
     np.testing.assert_array_equal(sent, expected.astype(np.float32))
@@ -59,12 +64,11 @@ def test_hook_picker_groups_by_layer_and_kind(tiny_run):
     assert heatmap.hook.value in groups[MODEL].values()
 
 
-def test_feature_selector_shows_only_with_directions_and_neuron_follows_it(tiny_run):
+def test_neuron_is_disabled_while_a_direction_is_shown(tiny_run):
     _, cache, tokens = tiny_run
-    plain = ActivationHeatmap(cache, tokens)
-    assert plain.feature.layout.display == "none"
+    assert ActivationHeatmap(cache, tokens).view.directions == []
     probed = ActivationHeatmap(cache, tokens, directions={"probe": torch.ones(32)})
-    assert probed.feature.layout.display is None
+    assert probed.view.directions == ["probe"]
     assert not probed.neuron.disabled
     probed.feature.value = "probe"
     assert probed.neuron.disabled

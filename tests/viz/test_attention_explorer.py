@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from links import browser_links
+from links import kernel_links
 from pngs import inline_pngs
 
 from qlens.modules.model_quantize import quantize
@@ -33,7 +33,7 @@ def test_every_pattern_goes_to_the_browser_once_as_uint8(tiny_run):
     sent = decode_unit_uint8(view.patterns, (2, 4, 7, 7))
     # Levels of 1/255: rounding moves a weight by at most half a level.
     assert np.abs(sent - explorer.patterns.numpy()).max() <= 0.5 / 255 + 1e-7
-    assert browser_links(explorer) == {
+    assert kernel_links(explorer) == {
         "layer": (explorer.layer, "value"),
         "head": (explorer.head, "value"),
     }
@@ -72,11 +72,13 @@ def test_static_fallback_is_an_inline_png_of_the_current_selection(tiny_run):
     assert "<script" not in html and 'src="http' not in html  # renders without the network
 
 
-def test_display_bundle_has_the_widget_and_the_static_html(tiny_run):
+def test_display_bundles_are_the_widget_and_the_static_html(tiny_run):
     _, cache, tokens = tiny_run
-    bundle = AttentionExplorer(cache, tokens)._repr_mimebundle_()
-    assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert inline_pngs(bundle["text/html"])
+    explorer = AttentionExplorer(cache, tokens)
+    widget = explorer.widget_bundle()
+    assert widget["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.view.model_id
+    assert widget["text/plain"] == "AttentionExplorer: a live widget; its static view follows."
+    assert inline_pngs(explorer.static_bundle()["text/html"])
 
 
 def test_stacked_tensor_input_and_unbatched_patterns(tiny_run):
@@ -101,15 +103,16 @@ def test_bad_inputs_are_explained(tiny_run):
         AttentionExplorer(cache, tokens, compare=torch.zeros(1, 4, 7, 7))
 
 
-def test_display_bundle_html_is_the_selection_at_display_time(tiny_run):
+def test_a_selection_made_in_the_browser_reaches_the_kernel_controls(tiny_run):
     _, cache, tokens = tiny_run
     explorer = AttentionExplorer(cache, tokens)
-    explorer.layer.value = 1
-    explorer.head.value = 3
-    bundle = explorer._repr_mimebundle_()
-    assert bundle["text/html"] == explorer.to_html()
-    model_id = bundle["application/vnd.jupyter.widget-view+json"]["model_id"]
-    assert model_id == explorer.widget.model_id
+    explorer.view.layer, explorer.view.head = 1, 3  # as the browser's inputs set them
+    assert (explorer.layer.value, explorer.head.value) == (1, 3)
+    assert explorer.selection() == {"layer": 1, "head": 3}
+    default = AttentionExplorer(cache, tokens)
+    assert inline_pngs(explorer.to_html()) != inline_pngs(default.to_html())
+    static = explorer.static_bundle()["text/html"]
+    assert 'data-layer="1" data-head="3"' in static and explorer.to_html() in static
 
 
 def test_non_square_patterns_are_refused(tiny_run):

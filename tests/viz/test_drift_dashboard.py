@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from links import browser_links
+from links import kernel_links
 from pngs import inline_pngs
 
 from qlens.analysis import quantization_drift
@@ -86,7 +86,7 @@ def test_every_metric_goes_to_the_browser_once():
     assert view.series == {k: COLUMNS[k] for k in ("cosine", "relative_error", "kl")}
     assert view.matrices == {"pattern_change": [[0.1, 0.2]] * 3}
     assert view.scalars == {"logit_kl": 3e-5}
-    assert browser_links(dashboard) == {
+    assert kernel_links(dashboard) == {
         "metric": (dashboard.metric, "index"),
         "log_scale": (dashboard.log_scale, "value"),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from links import browser_links
+from links import kernel_links
 from pngs import inline_pngs
 
 from qlens.viz import LogitLensTable
@@ -58,7 +58,7 @@ def test_the_browser_gets_probabilities_and_token_indices_once():
     strings = [[[view.vocab[i] for i in cell] for cell in row] for row in ids.tolist()]
     assert strings == table.top_tokens
     assert len(view.vocab) == len(set(view.vocab)) <= len(WORDS)
-    assert browser_links(table) == {
+    assert kernel_links(table) == {
         "position": (table.position, "index"),
         "top_k": (table.top_k, "value"),
     }

@@ -40,6 +40,12 @@ function render({ model, el }) {
   const offset = () => (model.get("layer") * nHeads + model.get("head")) * size;
 
   const root = make("div", "qlens-viewer qlens-attention");
+  const choose = chooser(model);
+  const controls = controlBar();
+  const unbind = [
+    sliderControl(controls, model, choose, "layer", "layer", 0, nLayers - 1).unbind,
+    sliderControl(controls, model, choose, "head", "head", 0, nHeads - 1).unbind,
+  ];
   const caption = make("div", "qlens-caption");
   const panels = make("div", "qlens-panels");
   const tip = tooltip(root);
@@ -109,7 +115,7 @@ function render({ model, el }) {
     const figure = make("figure", "qlens-thumb");
     const canvas = make("canvas", "qlens-pattern");
     figure.append(canvas, make("figcaption", "", `head ${h}`));
-    figure.addEventListener("click", () => select(model, { head: h }));
+    figure.addEventListener("click", () => choose({ head: h }));
     heads.appendChild(figure);
     thumbs.push({ figure, canvas });
   }
@@ -141,10 +147,11 @@ function render({ model, el }) {
     root.dataset.head = String(head);
   }
 
-  root.append(caption, panels, stripHead, strip, headsTitle, heads);
+  root.append(controls, caption, panels, stripHead, strip, headsTitle, heads);
   el.appendChild(root);
   drawHeads();
   drawSelected();
+  const showFallback = hideStaticFallback(model);
   markLoaded(root, started);
   const onLayer = () => {
     drawHeads();
@@ -155,6 +162,8 @@ function render({ model, el }) {
   return () => {
     model.off("change:layer", onLayer);
     model.off("change:head", drawSelected);
+    unbind.forEach((off) => off());
+    showFallback();
   };
 }
 

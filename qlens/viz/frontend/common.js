@@ -148,10 +148,119 @@ function legend(scale, label) {
   return bar;
 }
 
-// Send a selection made in the browser back to the kernel (no re-render waits for it).
-function select(model, values) {
-  for (const [key, value] of Object.entries(values)) model.set(key, value);
-  model.save_changes();
+// Selections made in the browser: `chooser(model)(values)` sets the traits, so the view's change
+// listeners redraw at once; the kernel gets the values after the next paint (several choices in
+// one frame go as one message).
+function chooser(model) {
+  let queued = false;
+  const save = () => {
+    queued = false;
+    model.save_changes();
+  };
+  return (values) => {
+    for (const [key, value] of Object.entries(values)) model.set(key, value);
+    if (queued) return;
+    queued = true;
+    if (document.hidden) setTimeout(save, 0);
+    else requestAnimationFrame(() => setTimeout(save, 0));
+  };
+}
+
+// The viewer's own selectors: plain inputs in a bar above the drawing, each bound to a trait.
+// Keys pressed in it (arrows on a slider...) stay with its inputs: the notebook's shortcuts
+// (arrows select cells) must not take them.
+function controlBar() {
+  const bar = make("div", "qlens-controls");
+  bar.dataset.lmSuppressShortcuts = "true";
+  bar.addEventListener("keydown", (event) => event.stopPropagation());
+  return bar;
+}
+
+// Bind `input` to `trait`: its `event` sets the trait to `read()` (unless null); a change of the
+// trait (from the browser or the kernel) shows the value with `write`. Returns the unbinding.
+function bind(model, choose, trait, input, event, read, write) {
+  input.dataset.trait = trait;
+  input.addEventListener(event, () => {
+    const value = read();
+    if (value !== null && value !== model.get(trait)) choose({ [trait]: value });
+  });
+  const show = () => write(model.get(trait));
+  show();
+  model.on(`change:${trait}`, show);
+  return () => model.off(`change:${trait}`, show);
+}
+
+function labelled(bar, label, ...nodes) {
+  const wrap = make("label", "qlens-control");
+  wrap.append(make("span", "qlens-control-label", label), ...nodes);
+  bar.appendChild(wrap);
+  return wrap;
+}
+
+// An integer slider in [min, max] with its value shown beside it.
+function sliderControl(bar, model, choose, trait, label, min, max) {
+  const input = make("input", "qlens-slider");
+  Object.assign(input, { type: "range", min: String(min), max: String(max), step: "1" });
+  const readout = make("output", "qlens-readout");
+  const wrap = labelled(bar, label, input, readout);
+  const write = (value) => {
+    input.value = String(value);
+    readout.textContent = String(value);
+  };
+  const unbind = bind(model, choose, trait, input, "input", () => Number(input.value), write);
+  return { wrap, input, unbind };
+}
+
+// A drop-down of `texts` whose trait is the selected index.
+function selectControl(bar, model, choose, trait, label, texts) {
+  const input = make("select", "qlens-select");
+  input.innerHTML = texts.map((text, i) => `<option value="${i}">${escapeHtml(text)}</option>`).join("");
+  const wrap = labelled(bar, label, input);
+  const write = (value) => {
+    input.value = String(value);
+  };
+  const unbind = bind(model, choose, trait, input, "change", () => Number(input.value), write);
+  return { wrap, input, unbind };
+}
+
+// An integer box in [0, input.max] (typed values are clamped; the caller may change max).
+function numberControl(bar, model, choose, trait, label, max) {
+  const input = make("input", "qlens-number");
+  Object.assign(input, { type: "number", min: "0", max: String(max), step: "1" });
+  const wrap = labelled(bar, label, input);
+  const read = () => {
+    const value = Math.round(Number(input.value));
+    if (input.value === "" || !Number.isFinite(value)) return null;
+    return Math.min(Math.max(0, value), Number(input.max));
+  };
+  const write = (value) => {
+    if (Number(input.value) !== value || input.value === "") input.value = String(value);
+  };
+  const unbind = bind(model, choose, trait, input, "input", read, write);
+  return { wrap, input, unbind };
+}
+
+function checkboxControl(bar, model, choose, trait, label) {
+  const input = make("input", "qlens-checkbox");
+  input.type = "checkbox";
+  const wrap = labelled(bar, label, input);
+  const write = (value) => {
+    input.checked = Boolean(value);
+  };
+  const unbind = bind(model, choose, trait, input, "change", () => input.checked, write);
+  return { wrap, input, unbind };
+}
+
+// While the view is drawn, hide the static fallback displayed after it (qlens/viz/fallback.py);
+// returns the function that shows it again.
+function hideStaticFallback(model) {
+  const id = model.get("static_id");
+  if (!/^[0-9a-f]+$/.test(id)) return () => {};
+  const style = make("style");
+  const fallback = `.qlens-static[data-view="${id}"]`;
+  style.textContent = `.jp-OutputArea-child:has(${fallback}), ${fallback} { display: none; }`;
+  document.head.appendChild(style);
+  return () => style.remove();
 }
 
 // Record on the root how long the first drawing took, up to the next paint (data-load-ms).

@@ -88,7 +88,7 @@ function matrixTable(labels, rows, name, log, tip) {
   const head = make("tr");
   head.appendChild(make("th", "qlens-corner", "layer \\ head"));
   rows[0].forEach((_, h) => head.appendChild(make("th", "", String(h))));
-  table.appendChild(head);
+  table.appendChild(make("thead")).appendChild(head);
   rows.forEach((row, layer) => {
     const tr = make("tr");
     tr.appendChild(make("th", "qlens-layer", labels[layer]));
@@ -113,22 +113,28 @@ function render({ model, el }) {
   const started = performance.now();
   const root = make("div", "qlens-viewer qlens-drift");
   const tip = tooltip(root);
-  const caption = make("div", "qlens-caption");
-  const plot = make("div", "qlens-plot");
-  const summary = make("div", "qlens-summary");
-  root.append(caption, plot, summary);
-  el.appendChild(root);
   const labels = model.get("layer_labels");
   const series = model.get("series");
   const matrices = model.get("matrices");
   const metrics = model.get("metrics");
+  const choose = chooser(model);
+  const controls = controlBar();
+  const metric = selectControl(controls, model, choose, "metric", "metric", metrics);
+  const logScale = checkboxControl(controls, model, choose, "log_scale", "log scale");
+  const caption = make("div", "qlens-caption");
+  const plot = make("div", "qlens-plot");
+  const summary = make("div", "qlens-summary");
+  root.append(controls, caption, plot, summary);
+  el.appendChild(root);
   summary.textContent = Object.entries(model.get("scalars"))
     .map(([k, v]) => `${k} = ${formatValue(v)}`)
     .join(" · ");
 
   function draw() {
     const name = metrics[model.get("metric")];
-    const log = model.get("log_scale") && model.get("log_allowed")[model.get("metric")];
+    const allowed = model.get("log_allowed")[model.get("metric")];
+    const log = model.get("log_scale") && allowed;
+    logScale.input.disabled = !allowed;
     if (name in series) {
       caption.textContent = `${name} per layer`;
       plot.replaceChildren(lineChart(labels, series[name], name, log, tip));
@@ -141,12 +147,16 @@ function render({ model, el }) {
   }
 
   draw();
+  const showFallback = hideStaticFallback(model);
   markLoaded(root, started);
   model.on("change:metric", draw);
   model.on("change:log_scale", draw);
   return () => {
     model.off("change:metric", draw);
     model.off("change:log_scale", draw);
+    metric.unbind();
+    logScale.unbind();
+    showFallback();
   };
 }
 

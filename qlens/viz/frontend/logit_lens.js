@@ -14,7 +14,13 @@ function render({ model, el }) {
 
   const root = make("div", "qlens-viewer qlens-lens");
   const tip = tooltip(root);
-  const scroll = make("div", "qlens-scroll");
+  const choose = chooser(model);
+  const controls = controlBar();
+  const unbind = [
+    selectControl(controls, model, choose, "position", "position", model.get("position_labels")).unbind,
+    sliderControl(controls, model, choose, "top_k", "top k", 1, nRanks).unbind,
+  ];
+  const scroll = make("div", "qlens-scroll qlens-grid-scroll");
   const grid = make("table", "qlens-grid");
   // Thousands of cells: built as one HTML string, coloured from a table of 256 styles.
   const head = tokens.map((token, pos) => `<th class="qlens-pos" data-pos="${pos}">${pos}\n${escapeHtml(token)}</th>`);
@@ -27,10 +33,12 @@ function render({ model, el }) {
     return `<tr><th class="qlens-layer">${escapeHtml(label)}</th>${cells.join("")}</tr>`;
   });
   grid.innerHTML = `<thead><tr><th class="qlens-corner">layer \\ position</th>${head.join("")}</tr></thead><tbody>${body.join("")}</tbody>`;
-  const columns = tokens.map((_, pos) => Array.from(grid.rows, (row) => row.cells[pos + 1]));
+  const headers = Array.from(grid.tHead.rows[0].cells).slice(1);
+  const mark = make("div", "qlens-column-mark");
+  scroll.appendChild(mark);
   grid.addEventListener("click", (event) => {
     const cell = event.target.closest("td.qlens-cell, th.qlens-pos");
-    if (cell) select(model, { position: Number(cell.dataset.pos) });
+    if (cell) choose({ position: Number(cell.dataset.pos) });
   });
   grid.addEventListener("mouseover", (event) => {
     const cell = event.target.closest("td.qlens-cell");
@@ -51,22 +59,26 @@ function render({ model, el }) {
   const topk = make("table", "qlens-topk");
   tableScroll.appendChild(topk);
   const legendRow = legend({ signed: false, bound: 1 }, "top-1 probability");
-  root.append(legendRow, scroll, caption, tableScroll);
+  root.append(controls, legendRow, scroll, caption, tableScroll);
   el.appendChild(root);
 
-  let marked = -1;
+  // One box outlines the selected column: the grid's cells stay untouched (no restyle or
+  // repaint of thousands of cells). Its place is read before anything is written.
   function markPosition() {
     const pos = model.get("position");
-    if (marked >= 0) for (const node of columns[marked]) node.classList.remove("qlens-selected");
-    for (const node of columns[pos]) node.classList.add("qlens-selected");
-    marked = pos;
     root.dataset.position = String(pos);
-    // Scroll the selected column into view once the grid is laid out.
-    requestAnimationFrame(() => {
-      const header = columns[pos][0];
-      const visible = header.offsetLeft >= scroll.scrollLeft && header.offsetLeft + header.offsetWidth <= scroll.scrollLeft + scroll.clientWidth;
-      if (!visible) scroll.scrollLeft = Math.max(0, header.offsetLeft - scroll.clientWidth / 2);
-    });
+    const place = () => {
+      const left = headers[pos].offsetLeft;
+      const width = headers[pos].offsetWidth;
+      mark.style.transform = `translateX(${left}px)`;
+      mark.style.width = `${width}px`;
+      mark.style.height = `${grid.offsetHeight}px`;
+      mark.dataset.pos = String(pos);
+      const visible = left >= scroll.scrollLeft && left + width <= scroll.scrollLeft + scroll.clientWidth;
+      if (!visible) scroll.scrollLeft = Math.max(0, left - scroll.clientWidth / 2);
+    };
+    if (headers[pos].offsetWidth) place();
+    else requestAnimationFrame(place); // not laid out yet (the first drawing)
   }
 
   function drawTable() {
@@ -93,12 +105,15 @@ function render({ model, el }) {
   };
   markPosition();
   drawTable();
+  const showFallback = hideStaticFallback(model);
   markLoaded(root, started);
   model.on("change:position", onPosition);
   model.on("change:top_k", drawTable);
   return () => {
     model.off("change:position", onPosition);
     model.off("change:top_k", drawTable);
+    unbind.forEach((off) => off());
+    showFallback();
   };
 }
 
