@@ -28,8 +28,13 @@ primitives = pytest.importorskip("torchao.quantization.quant_primitives")
 
 import qlens  # noqa: E402
 from qlens.kernels.weights import unsupported_reason  # noqa: E402
+from qlens.modules.convert import to_quant_linears  # noqa: E402
 from qlens.quant.adopt import adopt_module, is_quantized_module  # noqa: E402
+from qlens.quant.codecs.element_scales import element_scales  # noqa: E402
+from qlens.quant.codecs.int4_float_zero import pack_int4_float_zero  # noqa: E402
+from qlens.quant.codecs.intgroup import repack_to_qlens, unpack_int  # noqa: E402
 from qlens.quant.dequantize import dequantize  # noqa: E402
+from qlens.quant.payload import QuantPayload  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
 from qlens.weights import W_Q  # noqa: E402
 
@@ -212,3 +217,42 @@ def test_bridge_guard_and_audit(int4_llama):
     assert row.format == "int4" and not row.readable and row.shape == [64, 64]
     zeros = 64 * 2 * 2 if type(q_proj.weight).__name__ == "Int4Tensor" else 64 * 2  # bf16 / uint8
     assert row.bytes == 64 * 64 // 2 + 64 * 2 * 2 + zeros  # nibbles, bf16 scales per 32, zeros
+
+
+def test_float_zero_codec_checks_what_it_is_given():
+    codes = torch.arange(40).reshape(2, 20) % 16  # K = 20: a ragged last group of 4
+    scales = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    zeros = torch.tensor([[0.25, -1.0], [0.0, 3.0]])
+    payload = pack_int4_float_zero(codes, scales, zeros, group_size=16, source="hand-made")
+    group_of = torch.arange(20) // 16
+    expected = (codes - 8).float() * scales[:, group_of] + zeros[:, group_of]
+    assert torch.equal(dequantize(payload), expected)
+    assert torch.equal(element_scales(payload), scales[:, group_of])
+    with pytest.raises(
+        ValueError, match=r"unsigned 4-bit values in \[0, 16\), got range \[1, 16\]"
+    ):
+        pack_int4_float_zero(codes + 1, scales, zeros, group_size=16, source="x")
+    with pytest.raises(ValueError, match=r"`zeros` must be torch.float32, got torch.bfloat16"):
+        pack_int4_float_zero(codes, scales, zeros.bfloat16(), group_size=16, source="x")
+    with pytest.raises(ValueError, match=r"`scales` must have shape \[2, 2\], got \[2, 1\]"):
+        pack_int4_float_zero(codes, scales[:, :1], zeros[:, :1], group_size=16, source="x")
+    fields = {n: getattr(payload, n) for n in ("format", "data", "shape", "scales", "layout")}
+    with pytest.raises(ValueError, match=r"`zeros` is missing \(None\)"):
+        dequantize(QuantPayload(**fields))
+    with pytest.raises(ValueError, match="float shift or zero point .* dequantize it instead"):
+        repack_to_qlens(payload)
+    with pytest.raises(ValueError, match="zero_point='float'; its codes have no integer zero"):
+        unpack_int(payload)
+
+
+def test_save_quantized_round_trip(int4_llama, tmp_path):
+    model, twin = int4_llama
+    model = copy.deepcopy(model)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        expected = twin(ids).logits
+        assert len(to_quant_linears(model)) == 7
+        assert torch.equal(model(ids).logits, expected)
+        qlens.save_quantized(model, tmp_path / "saved")
+        reloaded = qlens.load_quantized(tmp_path / "saved")
+        assert torch.equal(reloaded(ids).logits, expected)
