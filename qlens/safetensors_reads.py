@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,7 +55,8 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 )
             begin, end = (int(o) for o in info["data_offsets"])
             data = torch.empty(end - begin, dtype=torch.uint8)
+            target: Any = data.numpy()  # a writable buffer over the tensor's memory
             file.seek(start + begin)
-            if end > begin and file.readinto(data.numpy()) != end - begin:
+            if end > begin and file.readinto(target) != end - begin:
                 raise ValueError(f"{path} ends inside tensor {name!r}: the file is truncated")
             yield name, data.view(dtype).reshape(info["shape"])
