@@ -114,7 +114,8 @@ def validate_int_group(payload: QuantPayload) -> None:
     if payload.format.zero_point == "float":
         raise ValueError(
             f"{payload.format.name} payload has a float shift (zero_point='float'), which the "
-            "qlens integer layout does not hold; it needs layout['packing'] = 'quanto'"
+            "qlens integer layout does not hold; it needs layout['packing'] = 'quanto' "
+            "(optimum-quanto) or 'torchao' (torchao int4)"
         )
     groups = ceil_div(k, payload.format.block[1])
     if bits == 4:
