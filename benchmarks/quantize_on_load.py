@@ -18,7 +18,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -26,20 +25,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+# Python puts this script's folder first on sys.path, where kernels.py would shadow the
+# `kernels` package transformers probes for; put the repository root there instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from benchmarks._e2e_models import LLAMA_1B, LLAMA_8B  # noqa: E402
+from benchmarks._timing import header, publish  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -50,17 +48,8 @@ TINY = dict(
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
-LLAMA_1B = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
-SHAPES = {"8b": LLAMA_8B, "1b": LLAMA_1B, "tiny": TINY}
+# Llama-3.2-1B's shapes with an untied lm_head, so both shapes hold an embedding and an lm_head
+SHAPES = {"8b": LLAMA_8B, "1b": {**LLAMA_1B, "tie_word_embeddings": False}, "tiny": TINY}
 SHARD_BYTES = {"8b": 5 * 2**30, "1b": 512 * 2**20, "tiny": 64 * 2**10}
 GPU_TARGET = 1.2
 
@@ -206,50 +195,26 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f}"
 
 
-def _machine() -> str:
-    """CPU model, cores and memory (and the GPU, if any) of this machine."""
-    cpu = platform.processor() or platform.machine()
-    memory = ""
+def _host_memory() -> str:
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        cpu = next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if "model name" in ln), cpu
-        )
         meminfo = Path("/proc/meminfo").read_text().split()
-        memory = f", {int(meminfo[meminfo.index('MemTotal:') + 1]) / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError):
-        pass
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{memory}{gpu}"
-
-
-def _versions() -> str:
-    import accelerate
-    import safetensors
-    import transformers
-
-    return (
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, safetensors {safetensors.__version__}, accelerate "
-        f"{accelerate.__version__}"
-    )
+    except OSError:
+        return "unknown"
+    return f"{int(meminfo[meminfo.index('MemTotal:') + 1]) / 2**20:.0f} GiB"
 
 
 def report(directory: Path, schemes: list[str], compare: bool, label: str) -> str:
     shard = max(p.stat().st_size for p in directory.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    title = f"qlens quantize-on-load peak memory, {label} (bf16 checkpoint)"
+    timing = "wall-clock seconds of the load, each row measured in a fresh process"
     lines = [
-        f"# qlens quantize-on-load peak memory, {label} (bf16 checkpoint)",
-        "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- machine: {_machine()}",
-        f"- versions: {_versions()}",
-        f"- command: `python {' '.join(sys.argv)}`",
+        header(title, timing, libraries=("transformers", "safetensors", "accelerate")).rstrip(),
+        f"- host memory: {_host_memory()}",
         f"- checkpoint: {_mib(total)} MiB in {len(list(directory.glob('*.safetensors')))} "
         f"shards, largest shard {_mib(shard)} MiB",
         "- stream: `qlens.load(path, quantize=scheme)`; after: `qlens.quantize(qlens.load(path), "
-        "scheme, inplace=True)`; each measured in a fresh process, peak host RSS above the RSS "
-        "after imports",
+        "scheme, inplace=True)`; peak host: the highest RSS above the RSS after imports",
         "",
         "| scheme | mode | seconds | quantized model MiB | peak GPU MiB | GPU / model "
         "| peak host MiB | host <= shard + model |",
@@ -283,10 +248,7 @@ def main(argv: list[str] | None = None) -> str:
             write_checkpoint(directory, SHAPES[size], SHARD_BYTES[size])
         schemes = [s for s in args.schemes.split(",") if s]
         text = report(directory, schemes, args.compare, f"Llama {size} shapes")
-    print(text)
-    if os.environ.get("OUT"):
-        device = "h200" if torch.cuda.is_available() else "cpu"
-        Path(os.environ["OUT"], f"quantize_on_load_{device}.md").write_text(text + "\n")
+    publish(text, f"quantize_on_load_{'h200' if torch.cuda.is_available() else 'cpu'}.md")
     return text
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qlens.host_memory import release_freed_host_memory
 from qlens.safetensors_reads import read_safetensors
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ def _advance(
     options = {"asymmetric": False, "scale_dtype": None}  # qlens.quantize's defaults
     model.set_submodule(plan.name, quantized_module(plan, scheme, options))
     del pending[name]
+    release_freed_host_memory()  # the layer's float tensors and quantization temporaries
 
 
 def cast_like_from_pretrained(
