@@ -135,6 +135,17 @@ def test_plain_int32_with_midpoint_zeros_is_symmetric():
     assert torch.equal(dequantize(payload), plain_int32_oracle(weight, codes))
 
 
+def test_int4_tensor_for_fp8_activations_is_read_as_the_same_weight():
+    # activation_dtype=float8 (symmetric codes, zero points 0) changes torchao's matmul, not W
+    weight, codes = plain_int4(16, 64, 32, torch.bfloat16)
+    weight.zero_point.zero_()
+    fp8 = Int4Tensor(
+        weight.qdata, weight.scale, weight.zero_point, [1, 32], torch.Size([16, 64]),
+        activation_dtype=torch.float8_e4m3fn,
+    )  # fmt: skip
+    assert torch.equal(dequantize(_holding(fp8)), plain_int4_oracle(weight, codes))
+
+
 def test_unreadable_int4_tensors_are_refused_with_the_reason():
     bf16 = torch.bfloat16
     weight, _ = plain_int4(16, 64, 32, bf16)
