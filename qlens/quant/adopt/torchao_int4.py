@@ -178,11 +178,12 @@ def _tile_packed_payload(weight: Any) -> QuantPayload:
         )
     unit = torch.zeros_like(scale_and_zero)
     unit[..., 0] = 1.0  # scale 1, zero point 0: the kernel returns q - 8
-    codes = torch.empty((n, k), dtype=torch.uint8, device=qdata.device)
+    device = qdata.device
+    codes = torch.empty((n, k), dtype=torch.uint8, device=device)
     for start in range(0, k, _UNPACK_ROWS):
         rows = min(_UNPACK_ROWS, k - start)
-        eye = torch.zeros((rows, padded_k), dtype=torch.bfloat16, device=qdata.device)
-        eye[torch.arange(rows), torch.arange(start, start + rows)] = 1.0
+        eye = torch.zeros((rows, padded_k), dtype=torch.bfloat16, device=device)
+        eye[torch.arange(rows, device=device), torch.arange(start, start + rows, device=device)] = 1
         out = torch.ops.aten._weight_int4pack_mm(eye, qdata, group, unit)
         codes[:, start : start + rows] = (out[:, :n].t().float() + midpoint(4)).to(torch.uint8)
     groups = ceil_div(k, group)
