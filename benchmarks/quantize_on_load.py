@@ -1,13 +1,15 @@
-"""Peak memory of quantize-on-load (`qlens.load(path, quantize=scheme)`) for an 8B-shaped Llama.
+"""Peak memory of quantize-on-load (`qlens.load(path, quantize=scheme)`) for a Llama-shaped model.
 
-Run on a CUDA GPU: ``python benchmarks/quantize_on_load.py``; prints markdown (and writes it to
-``$OUT/quantize_on_load_<device>.md`` when ``$OUT`` is set). ``--tiny`` runs a small model on the
-CPU in seconds. A random bf16 checkpoint (Llama-3-8B shapes, ~5 GB shards) is written once to
-``--dir`` (default: a temporary directory), shard by shard, so the writer never holds the model
-whole. Each scheme is then loaded in a fresh process, which reports the peak GPU memory
-(``torch.cuda.max_memory_allocated``) and the peak host RSS above the process' RSS after its
-imports. Targets: peak GPU <= 1.2 x the quantized model's size; peak host <= the largest shard
-plus the quantized model. ``--compare`` also measures ``qlens.quantize(qlens.load(path))``.
+``python benchmarks/quantize_on_load.py`` loads Llama-3-8B shapes onto the CUDA GPU when there is
+one, else onto the CPU; ``--size 1b`` (Llama-3.2-1B shapes, 512 MiB shards) fits a CPU machine
+with a few GB free, ``--size tiny`` runs in seconds. Prints markdown (and writes it to
+``$OUT/quantize_on_load_<cpu|h200>.md`` when ``$OUT`` is set). A random bf16 checkpoint is
+written once to ``--dir`` (default: a temporary directory, deleted afterwards), shard by shard,
+so the writer never holds the model whole. Each measurement runs in a fresh process, which
+reports the peak GPU memory (``torch.cuda.max_memory_allocated``) and the peak host RSS
+(``VmHWM``, reset after the imports) above its RSS after its imports. Targets: peak GPU <= 1.2 x
+the quantized model's size; peak host <= the largest shard plus the quantized model.
+``--compare`` also measures ``qlens.quantize(qlens.load(path))`` (the float model loaded whole).
 """
 
 from __future__ import annotations
@@ -23,20 +25,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+# Python puts this script's folder first on sys.path, where kernels.py would shadow the
+# `kernels` package transformers probes for; put the repository root there instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from benchmarks._e2e_models import LLAMA_1B, LLAMA_8B  # noqa: E402
+from benchmarks._timing import header, publish  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -47,13 +48,16 @@ TINY = dict(
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
-SHARD_BYTES = {"8b": 5 * 2**30, "tiny": 64 * 2**10}
+# Llama-3.2-1B's shapes with an untied lm_head, so both shapes hold an embedding and an lm_head
+SHAPES = {"8b": LLAMA_8B, "1b": {**LLAMA_1B, "tie_word_embeddings": False}, "tiny": TINY}
+SHARD_BYTES = {"8b": 5 * 2**30, "1b": 512 * 2**20, "tiny": 64 * 2**10}
 GPU_TARGET = 1.2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a small model on the CPU")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="8b", help="model shapes")
+    parser.add_argument("--tiny", action="store_true", help="same as --size tiny")
     parser.add_argument("--schemes", default="int4,mxfp4", help="comma-separated schemes")
     parser.add_argument("--dir", default=None, help="where the random checkpoint is written")
     parser.add_argument("--compare", action="store_true", help="also load, then quantize")
@@ -107,7 +111,24 @@ def _save_shard(directory: Path, shards: list[dict[str, torch.Tensor]], i: int) 
     shards[i] = {}  # free the written shard's tensors
 
 
+def _reset_rss_peak() -> bool:
+    """Reset this process' peak RSS (``VmHWM``) to its current RSS; False where Linux cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def _rss_peak_bytes() -> int:
+    """Peak RSS since the last reset: ``VmHWM`` (KiB), else ``ru_maxrss`` (process lifetime)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -128,6 +149,7 @@ def measure(directory: str, scheme: str, mode: str) -> dict:
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     baseline = _current_rss_bytes()
+    reset = _reset_rss_peak()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -148,6 +170,7 @@ def measure(directory: str, scheme: str, mode: str) -> dict:
         "model_bytes": sum(storages.values()),
         "gpu_peak": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "host_peak": _rss_peak_bytes() - baseline,
+        "host_peak_since": "after imports" if reset else "process start",
     }
 
 
@@ -172,13 +195,26 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f}"
 
 
+def _host_memory() -> str:
+    try:
+        meminfo = Path("/proc/meminfo").read_text().split()
+    except OSError:
+        return "unknown"
+    return f"{int(meminfo[meminfo.index('MemTotal:') + 1]) / 2**20:.0f} GiB"
+
+
 def report(directory: Path, schemes: list[str], compare: bool, label: str) -> str:
     shard = max(p.stat().st_size for p in directory.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    title = f"qlens quantize-on-load peak memory, {label} (bf16 checkpoint)"
+    timing = "wall-clock seconds of the load, each row measured in a fresh process"
     lines = [
-        f"# qlens quantize-on-load peak memory, {label} (bf16 checkpoint)",
-        "",
-        f"- command: `python {' '.join(sys.argv)}`",
-        f"- torch {torch.__version__}; largest shard {_mib(shard)} MiB",
+        header(title, timing, libraries=("transformers", "safetensors", "accelerate")).rstrip(),
+        f"- host memory: {_host_memory()}",
+        f"- checkpoint: {_mib(total)} MiB in {len(list(directory.glob('*.safetensors')))} "
+        f"shards, largest shard {_mib(shard)} MiB",
+        "- stream: `qlens.load(path, quantize=scheme)`; after: `qlens.quantize(qlens.load(path), "
+        "scheme, inplace=True)`; peak host: the highest RSS above the RSS after imports",
         "",
         "| scheme | mode | seconds | quantized model MiB | peak GPU MiB | GPU / model "
         "| peak host MiB | host <= shard + model |",
@@ -191,9 +227,10 @@ def report(directory: Path, schemes: list[str], compare: bool, label: str) -> st
             if m["gpu_peak"] is not None and mode == "stream":
                 ratio += " ok" if m["gpu_peak"] <= GPU_TARGET * m["model_bytes"] else " OVER"
             host_ok = m["host_peak"] <= shard + m["model_bytes"]
+            since = "" if m["host_peak_since"] == "after imports" else " (since start)"
             lines.append(
                 f"| {scheme} | {mode} | {m['seconds']:.1f} | {_mib(m['model_bytes'])} | "
-                f"{_mib(m['gpu_peak'])} | {ratio} | {_mib(m['host_peak'])} | "
+                f"{_mib(m['gpu_peak'])} | {ratio} | {_mib(m['host_peak'])}{since} | "
                 f"{'yes' if host_ok else 'NO'} |"
             )
     return "\n".join(lines)
@@ -204,18 +241,14 @@ def main(argv: list[str] | None = None) -> str:
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return ""
-    size = "tiny" if args.tiny else "8b"
-    shape = TINY if args.tiny else LLAMA_8B
+    size = "tiny" if args.tiny else args.size
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(args.dir or scratch) / f"random-llama-{size}"
         if not (directory / "config.json").is_file():
-            write_checkpoint(directory, shape, SHARD_BYTES[size])
+            write_checkpoint(directory, SHAPES[size], SHARD_BYTES[size])
         schemes = [s for s in args.schemes.split(",") if s]
         text = report(directory, schemes, args.compare, f"Llama {size} shapes")
-    print(text)
-    if os.environ.get("OUT"):
-        device = "cpu" if args.tiny else "h200"
-        Path(os.environ["OUT"], f"quantize_on_load_{device}.md").write_text(text + "\n")
+    publish(text, f"quantize_on_load_{'h200' if torch.cuda.is_available() else 'cpu'}.md")
     return text
 
 

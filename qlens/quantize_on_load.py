@@ -1,10 +1,11 @@
 """Quantize while loading: stream a float checkpoint tensor by tensor into a quantized model.
 
 The model is built on the meta device, the layers ``qlens.quantize`` would quantize are planned
-the same way, and the safetensors shards are read one tensor at a time. Each tensor is cast to
-the load dtype on the target device; a planned layer is quantized (and its float weights dropped)
-as soon as its last tensor has arrived, every other tensor is put in place. The float model is
-never held whole: peak memory is the quantized model plus one layer's float weights. The result
+the same way, and the safetensors shards are read one tensor at a time, with plain file reads (no
+memory map keeps a shard's pages resident). Each tensor is cast to the load dtype on the target
+device; a planned layer is quantized (and its float weights dropped) as soon as its last tensor
+has arrived, every other tensor is put in place. The float model is never held whole: peak
+memory is the quantized model plus one layer's float weights. The result
 equals ``qlens.quantize(qlens.load(path, dtype=..., device=...), scheme)`` exactly.
 """
 
@@ -19,6 +20,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from qlens.host_memory import release_freed_host_memory
+from qlens.safetensors_reads import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,6 @@ def load_quantizing(
 ) -> nn.Module:
     """The causal LM in ``directory`` with ``qlens.quantize``'s layers quantized by ``scheme``."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from qlens.load_checks import key_list
@@ -85,27 +88,26 @@ def load_quantizing(
     owner_of = {
         f"{p.name}.{n}": p.name for p in plans for n, _ in p.module.named_parameters(recurse=True)
     }
+    del plans  # each pending entry holds its plan (and float tensors) until its layer is quantized
     expected = dict(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     unexpected: list[str] = []
     experts = ExpertStacker(expected)
     for shard in safetensors_shards(directory):
-        with safe_open(str(shard), framework="pt", device="cpu") as reader:
-            for stored in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                key = _renamed(stored, expected)
-                if key not in expected and not experts.takes(key):
-                    unexpected.append(stored)
-                    continue
-                tensor = reader.get_tensor(stored)
-                if key in expected:
-                    arrived = {key: cast_like_from_pretrained(tensor, expected[key], dtype, device)}
-                else:
-                    arrived = experts.add(key, tensor.to(device=device, dtype=dtype))
-                del tensor
-                for name, value in arrived.items():
-                    put_tensor(model, name, value)
-                    loaded.add(name)
-                    _advance(model, pending, owner_of, name, scheme)
+        for stored, tensor in read_safetensors(shard):
+            key = _renamed(stored, expected)
+            if key not in expected and not experts.takes(key):
+                unexpected.append(stored)
+                continue
+            if key in expected:
+                arrived = {key: cast_like_from_pretrained(tensor, expected[key], dtype, device)}
+            else:
+                arrived = experts.add(key, tensor.to(device=device, dtype=dtype))
+            del tensor
+            for name, value in arrived.items():
+                put_tensor(model, name, value)
+                loaded.add(name)
+                _advance(model, pending, owner_of, name, scheme)
     if unexpected:
         raise ValueError(
             f"{directory} holds tensors {key_list(unexpected)} that "
@@ -204,6 +206,7 @@ def _advance(
     options = {"asymmetric": False, "scale_dtype": None}  # qlens.quantize's defaults
     model.set_submodule(plan.name, quantized_module(plan, scheme, options))
     del pending[name]
+    release_freed_host_memory()  # the layer's float tensors and quantization temporaries
 
 
 def cast_like_from_pretrained(

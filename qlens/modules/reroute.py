@@ -1,8 +1,9 @@
 """Run Hugging Face quantized modules whose own forward cannot run here through qlens' forward.
 
 transformers' ``FP8Linear``/``FP8Experts`` call CUDA kernels (DeepGEMM or a hub kernel),
-``HiggsLinear`` needs a FLUTE workspace tuned on a GPU, and GPT-OSS ``Mxfp4GptOssExperts`` need
-the triton_kernels hub package. :func:`reroute_quantized_modules` replaces the forward of such
+``HiggsLinear`` needs a FLUTE workspace tuned on a GPU, GPT-OSS ``Mxfp4GptOssExperts`` need
+the triton_kernels hub package, and torchao's int4 weights need mslk, tinygemm (CUDA) or an
+XPU/NPU. :func:`reroute_quantized_modules` replaces the forward of such
 modules (on the instance; the module, its tensors and its path stay as they are, so hook names
 and ``save_pretrained`` are unaffected) with qlens' forward: the module is read into payloads by
 ``qlens.quant.adopt.adopt_module`` and each matmul runs on qlens' Triton kernel or its torch
@@ -36,6 +37,7 @@ from qlens.quant.adopt.compressed_tensors import (
     is_compressed_tensors_module,
     reattach_decompress_hook,
 )
+from qlens.quant.adopt.torchao_int4 import torchao_int4_forward_problem
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import PayloadSpec
 
@@ -75,7 +77,7 @@ def own_forward_problem(module: nn.Module) -> str | None:
         if isinstance(getattr(module, "gate_up_proj", None), Tensor):
             return "its MXFP4 blocks are plain tensors, not swizzled for the triton_kernels matmul"
         return None
-    return None
+    return torchao_int4_forward_problem(module)
 
 
 def reroute_quantized_modules(

@@ -95,7 +95,7 @@ def int_group_format(
     if zero_point not in ("none", "int", "float"):
         raise ValueError(
             f"zero_point must be 'none' (symmetric), 'int' (W = (q - z) * s) or 'float' "
-            f"(W = s * q - shift, optimum-quanto), got {zero_point!r}"
+            f"(a float shift or zero point: optimum-quanto, torchao int4), got {zero_point!r}"
         )
     if scale_dtype not in INT_SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {INT_SCALE_DTYPES}, got {scale_dtype!r}")

@@ -10,4 +10,5 @@ from qlens.quant.adopt import (
     higgs_gguf,  # noqa: F401
     hqq,  # noqa: F401
     tensor_subclass,  # noqa: F401
+    torchao_int4,  # noqa: F401
 )

@@ -29,8 +29,8 @@ def element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
     if name == "nvfp4":
         return expand_groups(nvfp4_scales(payload), NV_BLOCK, k)
     if name.startswith("int") and payload.format.zero_point == "float":
-        # optimum-quanto's float shift: contiguous groups, one scale each (no integer codes'
-        # zero point to decode)
+        # a float shift or zero point (optimum-quanto, torchao int4): contiguous groups, one
+        # scale each (no integer codes' zero point to decode)
         return expand_groups(require_tensor(payload.scales, "scales", payload).float(),
                              payload.format.block[1], k)  # fmt: skip
     if name.startswith("int"):

@@ -1,6 +1,7 @@
 """Group-wise integer weights: the qlens int4/int8 layouts, decoding of every integer packing,
 and exact repacking of GPTQ / AWQ / compressed-tensors payloads into the qlens layout.
-optimum-quanto's packing (float shift) is ``qlens.quant.codecs.quanto_bits``.
+optimum-quanto's packing (float shift) is ``qlens.quant.codecs.quanto_bits``, torchao's int4
+with a float zero point ``qlens.quant.codecs.int4_float_zero``.
 
 qlens layouts (``layout["packing"] == "qlens"``), one scale per ``g = format.block[1]`` along K:
 - int4: ``data uint8 [*e, N, ceil(K/2)]`` low nibble = even k, codes 0..15; ``zeros`` None
@@ -113,7 +114,8 @@ def validate_int_group(payload: QuantPayload) -> None:
     if payload.format.zero_point == "float":
         raise ValueError(
             f"{payload.format.name} payload has a float shift (zero_point='float'), which the "
-            "qlens integer layout does not hold; it needs layout['packing'] = 'quanto'"
+            "qlens integer layout does not hold; it needs layout['packing'] = 'quanto' "
+            "(optimum-quanto) or 'torchao' (torchao int4)"
         )
     groups = ceil_div(k, payload.format.block[1])
     if bits == 4:
@@ -174,15 +176,17 @@ def unpack_int(payload: QuantPayload) -> IntGroups:
         from qlens.quant.codecs.quanto_bits import quanto_int_groups
 
         return quanto_int_groups(payload)
-    if packing not in _UNPACKERS:
-        raise ValueError(
-            f"{payload.format.name} payload has unknown layout['packing']={packing!r}; known: "
-            f"{['qlens', *_UNPACKERS]} and 'quanto' (optimum-quanto qint4/qint2)"
-        )
     if payload.format.zero_point == "float":
         raise ValueError(
             f"{payload.format.name} payload in the {packing!r} packing has zero_point='float'; "
-            f"{packing} stores integer zero points (zero_point 'int' or 'none')"
+            "its codes have no integer zero points (zero_point 'int' or 'none') to decode them "
+            "with; dequantize it instead (qlens.dequantize)"
+        )
+    if packing not in _UNPACKERS:
+        raise ValueError(
+            f"{payload.format.name} payload has unknown layout['packing']={packing!r}; known: "
+            f"{['qlens', *_UNPACKERS]}, 'quanto' (optimum-quanto qint4/qint2) and 'torchao' "
+            "(torchao int4 with a float zero point)"
         )
     require_same_device(payload)
     return _UNPACKERS[packing](payload)
@@ -191,11 +195,17 @@ def unpack_int(payload: QuantPayload) -> IntGroups:
 @register_dequantizer("int2", "int3", "int4", "int8")
 def dequantize_int_group(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = (q - z) * s`` per group, in fp32, cast to ``dtype``; the quanto packing computes
-    ``s * q - shift`` (or ``s * (q - z)``) in its scales' dtype instead, as quanto does."""
-    if payload.layout.get("packing") == "quanto":
+    ``s * q - shift`` (or ``s * (q - z)``) in its scales' dtype instead, as quanto does, and the
+    torchao packing ``q * s + z`` with a float zero point, in fp32."""
+    packing = payload.layout.get("packing")
+    if packing == "quanto":
         from qlens.quant.codecs.quanto_bits import dequantize_quanto_bits
 
         return dequantize_quanto_bits(payload, dtype)
+    if packing == "torchao":
+        from qlens.quant.codecs.int4_float_zero import dequantize_int4_float_zero
+
+        return dequantize_int4_float_zero(payload, dtype)
     return unpack_int(payload).dequantize(dtype)
 
 
@@ -216,8 +226,8 @@ def repack_to_qlens(payload: QuantPayload) -> QuantPayload:
     if payload.format.zero_point == "float":
         raise ValueError(
             f"this {payload.format.name} payload ({payload.layout.get('packing')!r} packing) has "
-            "a float shift (W = s*q - shift), which no integer zero point of the qlens layout "
-            "expresses exactly; dequantize it instead (qlens.dequantize)"
+            "a float shift or zero point (W = s*q - shift, or q*s + z), which no integer zero "
+            "point of the qlens layout expresses exactly; dequantize it instead (qlens.dequantize)"
         )
     if payload.format.bits not in QLENS_INT_BITS:
         raise ValueError(
