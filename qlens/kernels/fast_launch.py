@@ -71,9 +71,7 @@ class FastLaunch:
         self._resolved = False  # the runtime is looked up at the first launch, not at import
 
     def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
-        if not self._resolved:
-            self._runtime, self._resolved = _fast_runtime(self.kernel), True
-        runtime = self._runtime
+        runtime = self.runtime()
         if runtime is None or not FastLaunch.direct:
             self.kernel[grid](*args, **options)
             return
@@ -102,12 +100,104 @@ class FastLaunch:
             compiled = compiled.result()
         return compiled, _tail_arguments(self.kernel, args, options)
 
+    def prepare(
+        self,
+        grid: tuple[int, ...],
+        args: Sequence[Any],
+        slots: Sequence[int],
+        device: torch.device,
+        **options: Any,
+    ) -> PreparedLaunch:
+        """One launch with everything fixed but the tensors at positions ``slots`` of ``args``
+        (the placeholders there are ignored), run on ``device``: see :class:`PreparedLaunch`."""
+        return PreparedLaunch(self, grid, args, slots, device, options)
+
+    def runtime(self) -> _Runtime | None:
+        """The direct-launch runtime (looked up at the first call), or None for the normal one."""
+        if not self._resolved:
+            self._runtime, self._resolved = _fast_runtime(self.kernel), True
+        return self._runtime
+
     def clear(self) -> None:
         """Forget the compiled kernels: the next launch of each key takes the normal path."""
         self._compiled.clear()
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
         """The launch keys seen so far, in order (one normal launch each)."""
+        return list(self._compiled)
+
+
+class PreparedLaunch:
+    """A launch whose grid, options and arguments are fixed except a few tensors (``slots``).
+
+    ``launch(t0, t1, ...)`` puts the tensors at their slots and launches. Only their keys
+    (dtype, 16-byte alignment) and the current device are computed per call: the other
+    arguments are fixed, so their keys are too. The first call of each key takes the normal
+    launch; later ones call the compiled kernel's launcher directly. A call whose current device
+    is not ``device`` switches to it for the launch.
+    """
+
+    __slots__ = ("_compiled", "_device", "_grid", "_options", "_parts", "_slots", "launcher")
+
+    def __init__(
+        self,
+        launcher: FastLaunch,
+        grid: tuple[int, ...],
+        args: Sequence[Any],
+        slots: Sequence[int],
+        device: torch.device,
+        options: dict[str, Any],
+    ) -> None:
+        if list(slots) != sorted(set(slots)) or not all(0 <= s < len(args) for s in slots):
+            raise ValueError(f"slots must be increasing positions in the arguments, got {slots}")
+        self.launcher = launcher
+        self._grid = (*grid, 1, 1)[:3]
+        self._options = options
+        self._slots = tuple(slots)
+        # The fixed arguments between the slots: args = parts[0], t0, parts[1], t1, ...
+        bounds = (-1, *slots, len(args))
+        self._parts = tuple(tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:]))
+        self._device = device.index if device.type == "cuda" else None
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+
+    def arguments(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
+        """The kernel's positional arguments with ``tensors`` at the slots."""
+        parts = self._parts
+        args = list(parts[0])
+        for tensor, part in zip(tensors, parts[1:], strict=True):
+            args.append(tensor)
+            args.extend(part)
+        return tuple(args)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        runtime = self.launcher.runtime()
+        if runtime is None or not FastLaunch.direct:
+            grid = self._grid
+            self.launcher.kernel[grid](*self.arguments(*tensors), **self._options)
+            return
+        device = runtime.current_device()
+        if self._device is not None and device != self._device:
+            with torch.cuda.device(self._device):
+                self(*tensors)
+            return
+        key = (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        entry = self._compiled.get(key)
+        args = self.arguments(*tensors)
+        if entry is None:
+            self._compiled[key] = self.launcher._first_launch(self._grid, args, self._options)
+            return
+        compiled, tail = entry
+        stream = runtime.current_stream(device)
+        enter, exit_ = runtime.hooks()
+        grid = self._grid
+        metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter else None
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            metadata, enter, exit_, *args, *tail,
+        )  # fmt: skip
+
+    def cached_keys(self) -> list[tuple[Any, ...]]:
+        """The keys seen so far, in order (one normal launch each)."""
         return list(self._compiled)
 
 

@@ -55,6 +55,7 @@ class Counts:
         monkeypatch.setattr(QuantPayload, "__init__", count_payload)
         monkeypatch.setattr(weights, "_checked_view", count_check)
         monkeypatch.setattr(dispatch, "_weight_config", count_config)
+        monkeypatch.setattr(plan, "_weight_config", count_config)
         monkeypatch.setattr(plan, "choose_route", kernel_route)
 
     def snapshot(self) -> tuple[int, int, int, int]:
