@@ -121,15 +121,20 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
 
 
 @dataclass(frozen=True)
-class ExpertRows:
-    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of a weight whose experts are stacked as
-    consecutive blocks of rows: one expert's words, scales and global scale lie ``words``,
-    ``scales`` and ``global_scale`` elements apart (0: shared)."""
+class ExpertStrides:
+    """Experts stacked as consecutive blocks of rows: one expert's words, scales and global
+    scale lie ``words``, ``scales`` and ``global_scale`` elements apart (0: shared)."""
 
-    ids: Tensor
     words: int
     scales: int
     global_scale: int
+
+
+@dataclass(frozen=True)
+class ExpertRows(ExpertStrides):
+    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of experts stacked at these strides."""
+
+    ids: Tensor
 
 
 class PackedGemv:
@@ -137,7 +142,8 @@ class PackedGemv:
     strides, constants and the weight's tensors are fixed, so a call regroups ``x``, allocates
     the output and launches (plus the split reduction when K is split).
 
-    ``experts``: row ``i`` multiplies expert ``ids[i]`` (``ExpertRows`` strides; ids per call)."""
+    ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
+    (the ids come with each call)."""
 
     def __init__(
         self,
@@ -147,7 +153,7 @@ class PackedGemv:
         dtype: torch.dtype,
         has_bias: bool,
         cfg: LinearConfig,
-        experts: ExpertRows | None = None,
+        experts: ExpertStrides | None = None,
     ) -> None:
         block_m = _packed_block_m(m, cfg, experts=experts is not None)
         use_dot = block_m > 1  # FMAs serve one row a program

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qlens.kernels.experts import experts_plan_for
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import linear
 from qlens.modules.dispatch import (
@@ -249,9 +250,11 @@ def _experts_forward(
     first_bias = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
     down_bias = getattr(self, "down_proj_bias", None)
     activate = _gate_fn(self) if has_gate else self.act_fn
+    device = hidden_states.device
     return fused_experts_forward(
-        hidden_states, top_k_index, top_k_weights, first, down, first_bias, down_bias, activate
-    )
+        hidden_states, top_k_index, top_k_weights, experts_plan_for(first, device),
+        experts_plan_for(down, device), first_bias, down_bias, activate,
+    )  # fmt: skip
 
 
 def _traced_experts(

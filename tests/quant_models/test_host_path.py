@@ -150,7 +150,8 @@ def test_quant_experts_prepare_every_expert_once(counts: Counts) -> None:
     with torch.no_grad():
         first = experts(x, index, weights_)
         after_first = counts.snapshot()
-        assert after_first[1] == 2 * experts.num_experts  # gate_up and down of every expert
+        # gate_up and down of every expert, and each payload's stacked view (one-launch GEMV)
+        assert after_first[1] == 2 * experts.num_experts + 2
         for _ in range(CALLS):
             assert torch.equal(experts(x, index, weights_), first)
     assert counts.snapshot() == after_first
