@@ -115,9 +115,10 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
     m, k = x.shape
     words = -(-k // 32) * 4
     padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % 32 else x
-    out = torch.empty((m, 8, words), dtype=x.dtype if for_dot else torch.float32, device=x.device)
-    out.copy_(padded.view(m, words, 8).transpose(1, 2))
-    return out
+    grouped = padded.view(m, words, 8).transpose(1, 2)
+    if for_dot or x.dtype == torch.float32:
+        return grouped.contiguous()  # one copy, no separate allocation call
+    return grouped.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,23 @@ class ByteGemv:
 
 
 GemvCall = Callable[[Tensor, Tensor | None], Tensor]
+# Prepared launches kept per launch view (one per row count, dtype, bias and launch seen);
+# beyond this the view's table starts afresh.
+_MAX_KEPT_CALLS = 512
+
+
+def prepared_gemv(
+    w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+) -> GemvCall:
+    """:func:`prepare_gemv`, kept on the launch view ``w`` (views are kept on their payloads)."""
+    calls = w.__dict__.setdefault("_qlens_gemv_calls", {})
+    key = (m, dtype, has_bias, cfg)
+    call = calls.get(key)
+    if call is None:
+        if len(calls) >= _MAX_KEPT_CALLS:
+            calls.clear()
+        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg)
+    return call
 
 
 def prepare_gemv(
@@ -304,6 +322,6 @@ def gemv_linear(
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
 ) -> Float[Tensor, "m n"]:
-    """``x @ W.T + bias`` for a few rows ``x``, ``W`` decoded in-kernel: the launch
-    :func:`prepare_gemv` prepares, for this one call."""
-    return prepare_gemv(w, x.shape[0], x.dtype, bias is not None, cfg)(x, bias)
+    """``x @ W.T + bias`` for a few rows ``x``, ``W`` decoded in-kernel, on the launch
+    :func:`prepare_gemv` prepares (once per view, rows, dtype, bias and ``cfg``)."""
+    return prepared_gemv(w, x.shape[0], x.dtype, bias is not None, cfg)(x, bias)

@@ -22,7 +22,7 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dequant import dequantize_triton, has_dequantize_kernel
 from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
-from qlens.kernels.gemv import prepare_gemv
+from qlens.kernels.gemv import prepared_gemv
 from qlens.kernels.reference import reference_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
@@ -56,7 +56,7 @@ class LinearPlan:
     """``x @ W.T + bias`` for one payload on one device, on the route chosen when built.
 
     On the kernel route each (row count, activation dtype, bias or none) gets its launch
-    prepared once (``prepare_gemv``: grid, strides, constants and the weight's tensors fixed),
+    prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
     so a later call reshapes, allocates the output and launches. ``route`` overrides the
     choice (the kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). Built by
     :func:`plan_for`, which keeps it on the payload.
@@ -123,7 +123,7 @@ class LinearPlan:
         config = self.config(m)
         call: LaunchCall
         if config.path == "gemv":
-            call = prepare_gemv(w, m, dtype, not no_bias, config)
+            call = prepared_gemv(w, m, dtype, not no_bias, config)
         else:
             call = functools.partial(_launch_on, w, config)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:
