@@ -19,7 +19,6 @@ from qlens.kernels.weights import (
 from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
 
-
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
 FUSED_EXPERT_ROWS = 64

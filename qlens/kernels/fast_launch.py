@@ -156,7 +156,9 @@ class PreparedLaunch:
         self._slots = tuple(slots)
         # The fixed arguments between the slots: args = parts[0], t0, parts[1], t1, ...
         bounds = (-1, *slots, len(args))
-        self._parts = tuple(tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:]))
+        self._parts = tuple(
+            tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:], strict=False)
+        )
         self._device = device.index if device.type == "cuda" else None
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 

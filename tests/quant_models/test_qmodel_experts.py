@@ -72,8 +72,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
 
 
 def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
-    from qlens.kernels.experts import FUSED_EXPERT_ROWS
-    from qlens.kernels.experts import ExpertsPlan, experts_in_one_launch
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan, experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     assert not experts_in_one_launch((payload,), torch.randn(2, 64), 2)  # CPU: reference path
