@@ -117,25 +117,18 @@ def _direct_launches() -> dict[str, object]:
         quantized_linear(x, payload)
     finally:
         FastLaunch.launch = original  # type: ignore[method-assign]
-    calls: dict[str, object] = {}
+    label = "direct launch of the packed GEMV, int4 4096 x 4096, one row (stand-in kernel)"
+    direct = FastLaunch(kernel)
+    direct._runtime, direct._resolved = _Runtime(), True
     if recorded:  # the tree before prepared launches: one launch call with every argument
         grid, args, options = recorded[0]
-        direct = FastLaunch(kernel)
-        direct._runtime, direct._resolved = _Runtime(), True
-        calls[
-            "direct launch of the packed GEMV, int4 4096 x 4096, one row (stand-in compiled kernel)"
-        ] = lambda: direct.launch(grid, *args, **options)
-        return calls
+        return {label: lambda: direct.launch(grid, *args, **options)}
     prepared = plan.LinearPlan(payload, x.device, route="kernel")
     prepared(x)
     launch = prepared._calls[1, x.dtype, True].launch  # type: ignore[attr-defined]
-    launch.launcher = FastLaunch(kernel)
-    launch.launcher._runtime, launch.launcher._resolved = _Runtime(), True
+    launch.launcher = direct
     out = torch.empty(1, 4096)
-    calls[
-        "direct launch of the packed GEMV, int4 4096 x 4096, one row (stand-in compiled kernel)"
-    ] = lambda: launch(x, out)
-    return calls
+    return {label: lambda: launch(x, out)}
 
 
 def _force_one_launch_experts() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +68,7 @@ class FastLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._prepared: weakref.WeakSet[PreparedLaunch] = weakref.WeakSet()
         self._runtime: _Runtime | None = None
         self._resolved = False  # the runtime is looked up at the first launch, not at import
 
@@ -110,7 +112,9 @@ class FastLaunch:
     ) -> PreparedLaunch:
         """One launch with everything fixed but the tensors at positions ``slots`` of ``args``
         (the placeholders there are ignored), run on ``device``: see :class:`PreparedLaunch`."""
-        return PreparedLaunch(self, grid, args, slots, device, options)
+        prepared = PreparedLaunch(self, grid, args, slots, device, options)
+        self._prepared.add(prepared)
+        return prepared
 
     def runtime(self) -> _Runtime | None:
         """The direct-launch runtime (looked up at the first call), or None for the normal one."""
@@ -119,12 +123,19 @@ class FastLaunch:
         return self._runtime
 
     def clear(self) -> None:
-        """Forget the compiled kernels: the next launch of each key takes the normal path."""
+        """Forget the compiled kernels, the prepared launches' too: the next launch of each key
+        takes the normal path."""
         self._compiled.clear()
+        for prepared in list(self._prepared):
+            prepared.clear()
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
-        """The launch keys seen so far, in order (one normal launch each)."""
-        return list(self._compiled)
+        """The launch keys seen so far (one normal launch each): ``launch``'s in order, then
+        those of the live prepared launches."""
+        keys = list(self._compiled)
+        for prepared in list(self._prepared):
+            keys += prepared.cached_keys()
+        return keys
 
 
 class PreparedLaunch:
@@ -137,7 +148,9 @@ class PreparedLaunch:
     is not ``device`` switches to it for the launch.
     """
 
-    __slots__ = ("_compiled", "_device", "_grid", "_options", "_parts", "_slots", "launcher")
+    __slots__ = (
+        "__weakref__", "_compiled", "_device", "_grid", "_options", "_parts", "_slots", "launcher"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -201,6 +214,10 @@ class PreparedLaunch:
     def cached_keys(self) -> list[tuple[Any, ...]]:
         """The keys seen so far, in order (one normal launch each)."""
         return list(self._compiled)
+
+    def clear(self) -> None:
+        """Forget the compiled kernels: the next call of each key takes the normal launch."""
+        self._compiled.clear()
 
 
 def _tail_arguments(kernel: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[Any, ...]:

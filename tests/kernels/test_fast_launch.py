@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -370,3 +371,23 @@ def test_prepared_launch_honours_direct_off() -> None:
     finally:
         FastLaunch.direct = True
     assert len(kernel.normal) == 2 and launch.cached_keys() == []
+
+
+def test_launcher_keys_and_clear_cover_its_prepared_launches() -> None:
+    kernel = FakeKernel()
+    launch, _ = _prepared(kernel)
+    launcher = launch.launcher
+    x = torch.zeros(16, dtype=torch.float16)
+    launch(x)
+    launcher.launch((1,), x, x, 16, BLOCK=16)
+    assert launcher.cached_keys() == [
+        (0, ((torch.float16, True), (torch.float16, True), (32, False, True)), (("BLOCK", 16),)),
+        (0, (torch.float16, True)),
+    ]
+    launcher.clear()
+    assert launcher.cached_keys() == [] and launch.cached_keys() == []
+    launch(x)  # the normal launch again
+    assert len(kernel.normal) == 3
+    del launch
+    gc.collect()
+    assert launcher.cached_keys() == []  # a prepared launch no longer used is not kept

@@ -163,9 +163,20 @@ def test_quant_experts_prepare_every_expert_once(counts: Counts) -> None:
     assert counts.snapshot() == after_first
 
 
-def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -> None:
+def _fp8_linear_holder() -> tuple[torch.nn.Module, torch.nn.Sequential]:
+    """A transformers ``FP8Linear`` [64, 128] with a bias, in a container."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
+    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
+    with torch.no_grad():
+        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
+        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
+        layer.bias.copy_(torch.randn(64))
+    holder = torch.nn.Sequential(layer)
+    return layer, holder
+
+
+def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -> None:
     import qlens.quant.adopt as adopt
     from qlens.modules.reroute import reroute_quantized_modules
 
@@ -177,12 +188,7 @@ def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -
         return adopt_module(module)
 
     monkeypatch.setattr(adopt, "adopt_module", count_adoption)
-    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
-    with torch.no_grad():
-        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
-        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
-        layer.bias.copy_(torch.randn(64))
-    holder = torch.nn.Sequential(layer)
+    layer, holder = _fp8_linear_holder()
     assert reroute_quantized_modules(holder, force=True) == ["0"]
     x = torch.randn(2, 128)
     first = holder(x)
@@ -364,16 +370,9 @@ def test_quant_experts_decode_is_one_launch_per_projection(counts: Counts, monke
 
 
 def test_rerouted_linear_decode_call_is_one_direct_launch(counts: Counts, monkeypatch) -> None:
-    from transformers.integrations.finegrained_fp8 import FP8Linear
-
     from qlens.modules.reroute import reroute_quantized_modules
 
-    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
-    with torch.no_grad():
-        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
-        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
-        layer.bias.copy_(torch.randn(64))
-    holder = torch.nn.Sequential(layer)
+    _, holder = _fp8_linear_holder()
     reroute_quantized_modules(holder, force=True)
     x = torch.randn(1, 128)
     direct = DirectLaunches(monkeypatch)
