@@ -375,14 +375,17 @@ def test_rerouted_linear_decode_call_is_one_direct_launch(counts: Counts, monkey
     _, holder = _fp8_linear_holder()
     reroute_quantized_modules(holder, force=True)
     x = torch.randn(1, 128)
-    direct = DirectLaunches(monkeypatch)
+    direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
     first = holder(x)
     after_first = counts.snapshot()
     assert direct.snapshot() == (1, 1)
+    lookups.calls = 0
     for call in range(1, CALLS + 1):
         assert torch.equal(holder(x), first)
         assert direct.snapshot() == (1, 1 + call)
-    assert counts.snapshot() == after_first
+    assert counts.snapshot() == after_first and lookups.calls == 0
+    with pytest.raises(RuntimeError, match=r"FP8Linear: input is on meta but its quantized"):
+        holder(torch.empty(1, 128, device="meta"))
 
 
 def test_an_input_on_another_device_than_the_kept_plan_raises() -> None:
