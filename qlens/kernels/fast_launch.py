@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +67,7 @@ class FastLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
-        self._prepared: weakref.WeakSet[PreparedLaunch] = weakref.WeakSet()
+        self._sites: dict[tuple[Any, ...], int] = {}  # prepared launches' fixed keys, numbered
         self._runtime: _Runtime | None = None
         self._resolved = False  # the runtime is looked up at the first launch, not at import
 
@@ -112,9 +111,12 @@ class FastLaunch:
     ) -> PreparedLaunch:
         """One launch with everything fixed but the tensors at positions ``slots`` of ``args``
         (the placeholders there are ignored), run on ``device``: see :class:`PreparedLaunch`."""
-        prepared = PreparedLaunch(self, grid, args, slots, device, options)
-        self._prepared.add(prepared)
-        return prepared
+        return PreparedLaunch(self, grid, args, slots, device, options)
+
+    def site(self, fixed_key: tuple[Any, ...]) -> int:
+        """The number of a prepared launch's fixed key (its fixed arguments' keys, slots and
+        keyword values): prepared launches with equal fixed keys share their compiled kernels."""
+        return self._sites.setdefault(fixed_key, len(self._sites))
 
     def runtime(self) -> _Runtime | None:
         """The direct-launch runtime (looked up at the first call), or None for the normal one."""
@@ -123,19 +125,14 @@ class FastLaunch:
         return self._runtime
 
     def clear(self) -> None:
-        """Forget the compiled kernels, the prepared launches' too: the next launch of each key
+        """Forget the compiled kernels (the prepared launches' too): the next launch of each key
         takes the normal path."""
         self._compiled.clear()
-        for prepared in list(self._prepared):
-            prepared.clear()
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
-        """The launch keys seen so far (one normal launch each): ``launch``'s in order, then
-        those of the live prepared launches."""
-        keys = list(self._compiled)
-        for prepared in list(self._prepared):
-            keys += prepared.cached_keys()
-        return keys
+        """The launch keys seen so far, in order (one normal launch each), prepared launches'
+        ``(device, site, tensor keys...)`` among them."""
+        return list(self._compiled)
 
 
 class PreparedLaunch:
@@ -143,14 +140,13 @@ class PreparedLaunch:
 
     ``launch(t0, t1, ...)`` puts the tensors at their slots and launches. Only their keys
     (dtype, 16-byte alignment) and the current device are computed per call: the other
-    arguments are fixed, so their keys are too. The first call of each key takes the normal
-    launch; later ones call the compiled kernel's launcher directly. A call whose current device
-    is not ``device`` switches to it for the launch.
+    arguments are fixed, so their keys are too, computed once into the launcher's numbered
+    ``site``. The first call of each (device, site, tensor keys) takes the normal launch; later
+    ones, from this or any prepared launch of the same site, call the compiled kernel's
+    launcher directly. A call whose current device is not ``device`` switches to it.
     """
 
-    __slots__ = (
-        "__weakref__", "_compiled", "_device", "_grid", "_options", "_parts", "_slots", "launcher"
-    )  # fmt: skip
+    __slots__ = ("_device", "_grid", "_options", "_parts", "_site", "_slots", "launcher")
 
     def __init__(
         self,
@@ -173,7 +169,8 @@ class PreparedLaunch:
             tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:], strict=False)
         )
         self._device = device.index if device.type == "cuda" else None
-        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        fixed = tuple(arg_key(arg) for part in self._parts for arg in part)
+        self._site = launcher.site((fixed, self._slots, tuple(options.items())))
 
     def arguments(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
         """The kernel's positional arguments with ``tensors`` at the slots."""
@@ -195,11 +192,12 @@ class PreparedLaunch:
             with torch.cuda.device(self._device):
                 self(*tensors)
             return
-        key = (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
-        entry = self._compiled.get(key)
+        key = (device, self._site, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        compiled_kernels = self.launcher._compiled
+        entry = compiled_kernels.get(key)
         args = self.arguments(*tensors)
         if entry is None:
-            self._compiled[key] = self.launcher._first_launch(self._grid, args, self._options)
+            compiled_kernels[key] = self.launcher._first_launch(self._grid, args, self._options)
             return
         compiled, tail = entry
         stream = runtime.current_stream(device)
@@ -212,12 +210,13 @@ class PreparedLaunch:
         )  # fmt: skip
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
-        """The keys seen so far, in order (one normal launch each)."""
-        return list(self._compiled)
-
-    def clear(self) -> None:
-        """Forget the compiled kernels: the next call of each key takes the normal launch."""
-        self._compiled.clear()
+        """The ``(device, tensor keys...)`` of this launch's site seen so far, in order."""
+        site = self._site
+        return [
+            (key[0], *key[2:])
+            for key in self.launcher._compiled
+            if type(key[1]) is int and key[1] == site
+        ]
 
 
 def _tail_arguments(kernel: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[Any, ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,13 +380,32 @@ def test_launcher_keys_and_clear_cover_its_prepared_launches() -> None:
     launch(x)
     launcher.launch((1,), x, x, 16, BLOCK=16)
     assert launcher.cached_keys() == [
+        (0, 0, (torch.float16, True)),  # device, the prepared launch's site, its tensor's key
         (0, ((torch.float16, True), (torch.float16, True), (32, False, True)), (("BLOCK", 16),)),
-        (0, (torch.float16, True)),
     ]
     launcher.clear()
     assert launcher.cached_keys() == [] and launch.cached_keys() == []
     launch(x)  # the normal launch again
     assert len(kernel.normal) == 3
-    del launch
-    gc.collect()
-    assert launcher.cached_keys() == []  # a prepared launch no longer used is not kept
+
+
+def test_prepared_launches_of_one_site_share_their_compiled_kernels() -> None:
+    kernel = FakeKernel()
+    launcher = _fast(kernel)
+    fixed, other = torch.zeros(16), torch.zeros(32)
+    cpu = torch.device("cpu")
+    first = launcher.prepare((4,), (None, fixed, 48), [0], cpu, BLOCK=16)
+    same = launcher.prepare((8,), (None, other, 64), [0], cpu, BLOCK=16)  # equal keys
+    x = torch.zeros(16, dtype=torch.float16)
+    first(x)
+    same(x)  # direct: the kernel compiled for the first is the one Triton would pick
+    assert len(kernel.normal) == 1 and kernel.compiled[0].runs[0][:3] == (8, 1, 1)
+    assert kernel.compiled[0].runs[0][10] is other and kernel.compiled[0].runs[0][11] == 64
+    for fixed_args, options in (
+        ((None, fixed, 49), {"BLOCK": 16}),  # an int no longer divisible by 16
+        ((None, fixed[1:], 48), {"BLOCK": 16}),  # a misaligned fixed tensor
+        ((None, fixed, 48), {"BLOCK": 32}),  # another constexpr
+    ):
+        before = len(kernel.normal)
+        launcher.prepare((4,), fixed_args, [0], cpu, **options)(x)
+        assert len(kernel.normal) == before + 1, (fixed_args, options)
