@@ -32,6 +32,7 @@ from qlens.modules.dispatch import (
     traced_experts_forward,
 )
 from qlens.modules.expert_gate import ExpertGate
+from qlens.quant import adopt
 from qlens.quant.adopt.compressed_tensors import (
     detach_decompress_hook,
     is_compressed_tensors_module,
@@ -179,8 +180,6 @@ _ADOPTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.W
 
 
 def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
-    from qlens.quant.adopt import adopt_module
-
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
     holders = [v for k, v in vars(module).items() if k not in _KEPT and not isinstance(v, _PLAIN)]
@@ -191,7 +190,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
     cached = _ADOPTED.get(module)
     if cached is not None and cached[0] == key:
         return cached[1]  # type: ignore[return-value]
-    payloads = adopt_module(module)
+    payloads = adopt.adopt_module(module)
     _ADOPTED[module] = (key, payloads)
     module.__dict__[_TRACED] = _op_arguments(payloads)
     return payloads
