@@ -406,3 +406,18 @@ def test_an_input_on_another_device_than_the_kept_plan_raises() -> None:
         experts(torch.randn(1, 128), index, weights_)
         with pytest.raises(RuntimeError, match=r"QuantExperts: input is on meta but its"):
             experts(torch.empty(1, 128, device="meta"), index, weights_)
+
+
+def test_a_k_split_decode_call_is_the_gemv_and_its_reduction(counts: Counts, monkeypatch) -> None:
+    from qlens.kernels import LinearConfig
+
+    module, _ = _linear()
+    split = LinearConfig("gemv", 16, 16, 32, split_k=2)  # K = 96: three steps over two splits
+    monkeypatch.setattr(plan, "_weight_config", lambda *args: split)
+    direct = DirectLaunches(monkeypatch)
+    x = torch.randn(1, 96)
+    first = module(x)
+    for _ in range(CALLS):
+        assert torch.equal(module(x), first)
+    assert direct.snapshot() == (1, 2 * (CALLS + 1))  # the partials' sum is its own launch
+    assert _rel_err(first, _expected(module, x)) < 1e-5
