@@ -5,7 +5,9 @@ call. :class:`FastLaunch` does the first launch of each specialization the norma
 compiled kernel it returns, and afterwards calls that kernel's launcher directly, keyed by what
 Triton specializes on: each tensor's dtype and 16-byte alignment, each int's equality to 1,
 divisibility by 16 and width, the other scalars' types, the constexprs and launch options
-(passed by keyword, fixed by the call site) and the current device.
+(passed by keyword, fixed by the call site) and the current device. A call site whose
+arguments are all fixed but a few tensors prepares its launch once (``FastLaunch.prepare``):
+the fixed arguments' keys are computed then, and a call keys only its tensors.
 
 Checked against Triton 3.6 and 3.9, whose launch call (``CompiledKernel.run(grid0, grid1, grid2,
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``) is the
