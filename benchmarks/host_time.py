@@ -2,9 +2,14 @@
 
 Runs on the CPU in Triton's interpreter with every Triton launch of the GEMVs replaced by a
 no-op, so what is timed is qlens' own dispatch: checks, configuration, the activation
-regrouping and argument building. Eager decode on a GPU pays this on every call.
+regrouping and argument building. Eager decode on a GPU pays this on every call. Also timed:
+the modules' whole forward (``QuantLinear`` and ``QuantExperts`` on one token, their plans
+forced onto the kernel route the CPU otherwise leaves for the reference) next to ``F.linear``
+on a tiny shape (torch's own dispatch cost on this CPU), and the direct launch of a compiled
+kernel (a stand-in that records the call) through ``FastLaunch.launch`` and a prepared launch.
 
-Run: ``TRITON_INTERPRET=1 python benchmarks/host_time.py``; prints markdown and, when ``$OUT``
+Run: ``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/host_time.py`` from the repository
+root (``PYTHONPATH`` names the tree whose qlens is timed); prints markdown and, when ``$OUT``
 is set, writes it to ``$OUT/host_time_cpu.md``.
 """
 
@@ -13,19 +18,23 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from _timing import publish
 
 import qlens.kernels.gemv as gemv
+import qlens.kernels.plan as plan
 from qlens.kernels import experts_linear, quantized_linear
 from qlens.kernels.fast_launch import FastLaunch
+from qlens.modules import QuantExperts, QuantLinear
+from qlens.modules.expert_gate import ExpertGate
 from qlens.quant.quantize import quantize_weight
 
-CALLS = 2000
+CALLS = 500
+ROUNDS = 20
 
 
 class _NoLaunch:
@@ -36,22 +45,134 @@ class _NoLaunch:
 
 
 def _us_per_call(call) -> float:
-    """Median over five rounds of the mean microseconds per call."""
+    """The fastest of ``ROUNDS`` rounds' mean CPU microseconds per call of this thread (torch
+    runs on this thread alone: on a shared CPU, time spent waiting for a core is not counted,
+    and the fastest round is the one least slowed by other processes' cache traffic)."""
     for _ in range(50):
         call()
     rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
+    for _ in range(ROUNDS):
+        start = time.thread_time()
         for _ in range(CALLS):
             call()
-        rounds.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(rounds)
+        rounds.append((time.thread_time() - start) / CALLS * 1e6)
+    return min(rounds)
+
+
+class _Compiled:
+    """Stands in for a compiled Triton kernel: ``run`` and ``launch_metadata`` do nothing."""
+
+    function = None
+    packed_metadata = None
+
+    def run(self, *call: object) -> None:
+        return None
+
+    def launch_metadata(self, *call: object) -> None:
+        return None
+
+
+class _Runtime:
+    """A direct-launch runtime on device 0 with no launch hooks."""
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: int) -> int:
+        return 0
+
+    def hooks(self) -> tuple[None, None]:
+        return None, None
+
+
+class _CompilingKernel:
+    """A JIT function's normal launch that hands back a ``_Compiled``."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.params = kernel.params  # type: ignore[attr-defined]
+        self.signature = kernel.signature  # type: ignore[attr-defined]
+        self.__name__ = "compiling"
+
+    def __getitem__(self, grid: object):
+        return lambda *args, **kwargs: _Compiled()
+
+
+def _direct_launches() -> dict[str, object]:
+    """The packed GEMV's direct launch (one row, int4 4096 x 4096) through ``FastLaunch.launch``
+    with its per-call key of every argument, and through the plan's prepared launch."""
+    from triton.runtime.jit import JITFunction
+
+    kernel = _CompilingKernel(JITFunction(gemv.packed_gemv_kernel.fn))
+    recorded: list[tuple[tuple, dict]] = []
+    gemv.PACKED_GEMV = FastLaunch(_NoLaunch())
+    original = FastLaunch.launch
+
+    def record(self, grid, *args, **options):
+        recorded.append((grid, args, options))
+
+    FastLaunch.launch = record  # type: ignore[method-assign]
+    try:
+        payload = quantize_weight(torch.randn(4096, 4096), "int4", group_size=128)
+        x = torch.randn(1, 4096)
+        quantized_linear(x, payload)
+    finally:
+        FastLaunch.launch = original  # type: ignore[method-assign]
+    label = "direct launch of the packed GEMV, int4 4096 x 4096, one row (stand-in kernel)"
+    direct = FastLaunch(kernel)
+    direct._runtime, direct._resolved = _Runtime(), True
+    if recorded:  # the tree before prepared launches: one launch call with every argument
+        grid, args, options = recorded[0]
+        return {label: lambda: direct.launch(grid, *args, **options)}
+    prepared = plan.LinearPlan(payload, x.device, route="kernel")
+    prepared(x)
+    launch = prepared._calls[1, x.dtype, True].launch  # type: ignore[attr-defined]
+    launch.launcher = direct
+    out = torch.empty(1, 4096)
+    return {label: lambda: launch(x, out)}
+
+
+def _force_one_launch_experts() -> None:
+    """The experts' one-launch GEMV on CPU tensors (the modules keep it for accelerators)."""
+    try:
+        from qlens.kernels.experts import ExpertsPlan
+    except ImportError:  # the tree before ExpertsPlan asked the modules' dispatch
+        import qlens.modules.dispatch as dispatch
+
+        dispatch.experts_in_one_launch = lambda *args: True  # type: ignore[attr-defined]
+    else:
+        ExpertsPlan.one_launch = lambda self, rows: True  # type: ignore[method-assign]
+
+
+def _modules() -> dict[str, object]:
+    """One-token forwards of a QuantLinear and a QuantExperts on the kernel route."""
+    plan.choose_route = lambda payload, device: ("kernel", None)  # type: ignore[assignment]
+    _force_one_launch_experts()
+    linear = QuantLinear(quantize_weight(torch.randn(4096, 4096), "int4", group_size=128))
+    gate_up = quantize_weight(torch.randn(8, 1024, 1024), "int4", group_size=128)
+    down = quantize_weight(torch.randn(8, 1024, 512), "int4", group_size=128)
+    experts = QuantExperts(gate_up, down, ExpertGate("stacked", "silu"))
+    x, h = torch.randn(1, 4096), torch.randn(1, 1024)
+    index, weights = torch.tensor([[1, 5]]), torch.tensor([[0.6, 0.4]])
+    small, small_w = torch.randn(1, 16), torch.randn(16, 16)
+    return {
+        "F.linear, fp32 1 x 16 by 16 x 16 (torch's dispatch)": lambda: F.linear(small, small_w),
+        "QuantLinear forward, int4 4096 x 4096, one token": lambda: linear(x),
+        "QuantExperts forward, int4 8 x 1024 x 1024 and 8 x 1024 x 512, one token, top 2": (
+            lambda: experts(h, index, weights)
+        ),
+    }
 
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1: the calls run on CPU tensors")
     torch.manual_seed(0)
+    # The no-op launches leave outputs uninitialized; denormals there would slow the torch ops
+    # after them (the experts' weighted sum) far beyond what they cost on real values.
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)  # host dispatch only; no thread pool waking per op
+    direct = _direct_launches()
     gemv.PACKED_GEMV = FastLaunch(_NoLaunch())
     gemv._GEMV = FastLaunch(_NoLaunch())
     int4 = quantize_weight(torch.randn(4096, 4096), "int4", group_size=128)
@@ -64,6 +185,8 @@ def main() -> None:
         "experts_linear, int4 8 x 512 x 1024, two routed rows": lambda: experts_linear(
             xe, experts, ids, ids_in_range=True
         ),
+        **_modules(),
+        **direct,
     }
     lines = [
         "# Host time per eager call, Triton launches excluded",
@@ -71,8 +194,9 @@ def main() -> None:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"Python {platform.python_version()}",
-        f"- command: `TRITON_INTERPRET=1 python {' '.join(sys.argv)}`",
-        f"- timing: median of five rounds of {CALLS} calls each, after 50 warm-up calls",
+        f"- command: `TRITON_INTERPRET=1 PYTHONPATH=. python {' '.join(sys.argv)}`",
+        f"- timing: this thread's CPU time (torch on one thread), fastest of {ROUNDS} rounds "
+        f"of {CALLS} calls each, after 50 warm-up calls",
         "",
         "| call | us of Python per call |",
         "|---|---|",

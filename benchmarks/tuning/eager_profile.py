@@ -21,6 +21,7 @@ from benchmarks._timing import header, publish, time_eager_loop
 from qlens.kernels import quantized_linear
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.weights import kernel_weight
+from qlens.modules import QuantLinear
 from qlens.quant.quantize import quantize_weight
 
 SHAPE = (4096, 4096)
@@ -44,17 +45,14 @@ def main() -> None:
         p = quantize_weight(w, scheme, **options)
         kw = kernel_weight(p)
         cfg = default_config(p, 1, dev)
-        words = gemv.word_view(kw)
-        out = torch.empty((1, kw.n), dtype=x.dtype, device=dev)
-        target = gemv.split_target(out, cfg.split_k)
+        prepared = gemv.prepared_gemv(kw, 1, x.dtype, False, cfg)
         cases = {
             "bf16 F.linear": functools.partial(F.linear, x, w),
+            "QuantLinear forward (whole call, kept plan)": functools.partial(QuantLinear(p), x),
             "quantized_linear (whole call)": functools.partial(quantized_linear, x, p),
             "quantized_linear, launch given": functools.partial(quantized_linear, x, p, config=cfg),
             "gemv_linear": functools.partial(gemv.gemv_linear, x, kw, None, cfg),
-            "_packed_gemv (kernel launch + regrouping)": functools.partial(
-                gemv._packed_gemv, x, kw, words, None, cfg, target
-            ),
+            "prepared GEMV (kernel launch + regrouping)": functools.partial(prepared, x, None),
             "permute_codes": functools.partial(gemv.permute_codes, x, for_dot=False),
             "default_config": functools.partial(default_config, p, 1, dev),
             "kernel_weight": functools.partial(kernel_weight, p),

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
+from qlens.kernels.gemv import ExpertRows, ExpertStrides, PackedGemv, word_view
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import (
     KernelWeight,
@@ -19,9 +18,6 @@ from qlens.kernels.weights import (
 )
 from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
-
-if TYPE_CHECKING:
-    from qlens.kernels.gemv import ExpertRows
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
@@ -95,24 +91,90 @@ def stacked_experts(
     """The kernel view of an ``[experts, out, in]`` packed 4-bit payload as its first expert's
     weight plus the rows' experts and the strides to them, or ``None`` when the one-launch GEMV
     cannot read it (other formats, rows that are not whole words, non-contiguous tensors)."""
-    experts, n, k = (int(s) for s in payload.shape)
+    stacked = stacked_view(payload)
+    if stacked is None:
+        return None
+    w, strides = stacked
+    ids = expert_ids.to(torch.int32).contiguous()
+    return w, ExpertRows(strides.words, strides.scales, strides.global_scale, ids)
+
+
+def stacked_view(payload: QuantPayload) -> tuple[KernelWeight, ExpertStrides] | None:
+    """``stacked_experts`` without the rows: the first expert's view and the experts' strides."""
+    experts = int(payload.shape[0])
     tensors = [t for t in (payload.data, payload.scales, payload.zeros) if t is not None]
     g = payload.global_scale
     if not all(t.is_contiguous() for t in tensors) or (g is not None and not g.is_contiguous()):
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
-    from qlens.kernels.gemv import ExpertRows, word_view
-
     w = first_expert_view(payload)
     if w is None or word_view(w) is None:
         return None
-    rows = ExpertRows(
-        ids=expert_ids.to(torch.int32).contiguous(),
+    strides = ExpertStrides(
         words=w.data.numel() // 4,
         scales=w.scales.numel(),
         global_scale=1 if per_expert_global else 0,
     )
-    return w, rows
+    return w, strides
+
+
+class ExpertsPlan:
+    """The projections of one ``[experts, out, in]`` payload on one device, prepared once.
+
+    ``one_launch(rows)``: whether ``rows`` (token, expert) rows run in one launch here (an
+    accelerator, a format the kernels read, few rows); ``rows(x, ids, bias)`` runs them, on
+    the word-wise GEMV prepared once per (row count, dtype, bias or none) for packed 4-bit
+    words, else expert by expert. ``views`` are the experts' own payloads. Built by
+    :func:`experts_plan_for`, which keeps it on the payload.
+    """
+
+    def __init__(self, payload: QuantPayload, device: torch.device) -> None:
+        experts, n, k = (int(s) for s in payload.shape)
+        self.payload, self.device, self.num_experts = payload, device, experts
+        self.views = expert_views(payload)
+        self._accelerated = (
+            device.type != "cpu"
+            and kernel_device_problem(device) is None
+            and first_expert_view(payload) is not None
+        )
+        self.stacked = stacked_view(payload)
+        self._config = choose_config(1, n, k, device, packed_words=True)
+        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv] = {}
+
+    def one_launch(self, rows: int) -> bool:
+        return self._accelerated and 0 < rows <= FUSED_EXPERT_ROWS
+
+    def rows(
+        self,
+        x: Float[Tensor, "t k"],
+        expert_ids: Integer[Tensor, " t"],
+        bias: Float[Tensor, "e n"] | None,
+    ) -> Float[Tensor, "t n"]:
+        """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]``, ids in range (unchecked)."""
+        call = self._calls.get((x.shape[0], x.dtype, bias is None))
+        if call is None:
+            if self.stacked is None or not 0 < x.shape[0] <= FUSED_EXPERT_ROWS:
+                return experts_linear(x, self.payload, expert_ids, bias, ids_in_range=True)
+            call = self._prepare(x.shape[0], x.dtype, bias is None)
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        return call(x, bias, expert_ids)
+
+    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv:
+        assert self.stacked is not None
+        w, strides = self.stacked
+        words = word_view(w)
+        assert words is not None
+        call = self._calls[m, dtype, no_bias] = PackedGemv(
+            w, words, m, dtype, not no_bias, self._config, strides
+        )
+        return call
+
+
+def experts_plan_for(payload: QuantPayload, device: torch.device) -> ExpertsPlan:
+    """The :class:`ExpertsPlan` of ``payload`` on ``device``, kept on the payload
+    (``cached_on_payload``) until its tensors, format or layout change."""
+    return cached_on_payload(payload, f"experts_plan_{device}", lambda p: ExpertsPlan(p, device))
 
 
 def experts_linear(
@@ -147,15 +209,10 @@ def experts_linear(
         low, high = (int(v) for v in torch.stack(torch.aminmax(expert_ids)).tolist())
         if low < 0 or high >= experts:
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")
-    fused = 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8
-    stacked = stacked_experts(payload, expert_ids) if fused else None
-    if stacked is not None:
-        from qlens.kernels.gemv import experts_gemv
-
-        w, rows = stacked
-        config = choose_config(1, n, k, x.device, packed_words=True)
-        b = None if bias is None else bias.contiguous()
-        return experts_gemv(x.contiguous(), w, rows, b, config)
+    if 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8:
+        plan = experts_plan_for(payload, x.device)
+        if plan.stacked is not None:
+            return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
     out = x.new_empty((x.shape[0], n))
     views = expert_views(payload)
     order = torch.argsort(expert_ids, stable=True)

@@ -5,7 +5,9 @@ call. :class:`FastLaunch` does the first launch of each specialization the norma
 compiled kernel it returns, and afterwards calls that kernel's launcher directly, keyed by what
 Triton specializes on: each tensor's dtype and 16-byte alignment, each int's equality to 1,
 divisibility by 16 and width, the other scalars' types, the constexprs and launch options
-(passed by keyword, fixed by the call site) and the current device.
+(passed by keyword, fixed by the call site) and the current device. A call site whose
+arguments are all fixed but a few tensors prepares its launch once (``FastLaunch.prepare``):
+the fixed arguments' keys are computed then, and a call keys only its tensors.
 
 Checked against Triton 3.6 and 3.9, whose launch call (``CompiledKernel.run(grid0, grid1, grid2,
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``) is the
@@ -67,13 +69,12 @@ class FastLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._sites: dict[tuple[Any, ...], int] = {}  # prepared launches' fixed keys, numbered
         self._runtime: _Runtime | None = None
         self._resolved = False  # the runtime is looked up at the first launch, not at import
 
     def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
-        if not self._resolved:
-            self._runtime, self._resolved = _fast_runtime(self.kernel), True
-        runtime = self._runtime
+        runtime = self.runtime()
         if runtime is None or not FastLaunch.direct:
             self.kernel[grid](*args, **options)
             return
@@ -102,13 +103,122 @@ class FastLaunch:
             compiled = compiled.result()
         return compiled, _tail_arguments(self.kernel, args, options)
 
+    def prepare(
+        self,
+        grid: tuple[int, ...],
+        args: Sequence[Any],
+        slots: Sequence[int],
+        device: torch.device,
+        **options: Any,
+    ) -> PreparedLaunch:
+        """One launch with everything fixed but the tensors at positions ``slots`` of ``args``
+        (the placeholders there are ignored), run on ``device``: see :class:`PreparedLaunch`."""
+        return PreparedLaunch(self, grid, args, slots, device, options)
+
+    def site(self, fixed_key: tuple[Any, ...]) -> int:
+        """The number of a prepared launch's fixed key (its fixed arguments' keys, slots and
+        keyword values): prepared launches with equal fixed keys share their compiled kernels."""
+        return self._sites.setdefault(fixed_key, len(self._sites))
+
+    def runtime(self) -> _Runtime | None:
+        """The direct-launch runtime (looked up at the first call), or None for the normal one."""
+        if not self._resolved:
+            self._runtime, self._resolved = _fast_runtime(self.kernel), True
+        return self._runtime
+
     def clear(self) -> None:
-        """Forget the compiled kernels: the next launch of each key takes the normal path."""
+        """Forget the compiled kernels (the prepared launches' too): the next launch of each key
+        takes the normal path."""
         self._compiled.clear()
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
-        """The launch keys seen so far, in order (one normal launch each)."""
+        """The launch keys seen so far, in order (one normal launch each), prepared launches'
+        ``(device, site, tensor keys...)`` among them."""
         return list(self._compiled)
+
+
+class PreparedLaunch:
+    """A launch whose grid, options and arguments are fixed except a few tensors (``slots``).
+
+    ``launch(t0, t1, ...)`` puts the tensors at their slots and launches. Only their keys
+    (dtype, 16-byte alignment) and the current device are computed per call: the other
+    arguments are fixed, so their keys are too, computed once into the launcher's numbered
+    ``site``. The first call of each (device, site, tensor keys) takes the normal launch; later
+    ones, from this or any prepared launch of the same site, call the compiled kernel's
+    launcher directly. A call whose current device is not ``device`` switches to it.
+    """
+
+    __slots__ = ("_device", "_grid", "_options", "_parts", "_site", "_slots", "launcher")
+
+    def __init__(
+        self,
+        launcher: FastLaunch,
+        grid: tuple[int, ...],
+        args: Sequence[Any],
+        slots: Sequence[int],
+        device: torch.device,
+        options: dict[str, Any],
+    ) -> None:
+        if list(slots) != sorted(set(slots)) or not all(0 <= s < len(args) for s in slots):
+            raise ValueError(f"slots must be increasing positions in the arguments, got {slots}")
+        self.launcher = launcher
+        self._grid = (*grid, 1, 1)[:3]
+        self._options = options
+        self._slots = tuple(slots)
+        # The fixed arguments between the slots: args = parts[0], t0, parts[1], t1, ...
+        bounds = (-1, *slots, len(args))
+        self._parts = tuple(
+            tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:], strict=False)
+        )
+        self._device = device.index if device.type == "cuda" else None
+        fixed = tuple(arg_key(arg) for part in self._parts for arg in part)
+        self._site = launcher.site((fixed, self._slots, tuple(options.items())))
+
+    def arguments(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
+        """The kernel's positional arguments with ``tensors`` at the slots."""
+        parts = self._parts
+        args = list(parts[0])
+        for tensor, part in zip(tensors, parts[1:], strict=True):
+            args.append(tensor)
+            args.extend(part)
+        return tuple(args)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        runtime = self.launcher.runtime()
+        if runtime is None or not FastLaunch.direct:
+            grid = self._grid
+            self.launcher.kernel[grid](*self.arguments(*tensors), **self._options)
+            return
+        device = runtime.current_device()
+        if self._device is not None and device != self._device:
+            with torch.cuda.device(self._device):
+                self(*tensors)
+            return
+        key = (device, self._site, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        compiled_kernels = self.launcher._compiled
+        entry = compiled_kernels.get(key)
+        args = self.arguments(*tensors)
+        if entry is None:
+            compiled_kernels[key] = self.launcher._first_launch(self._grid, args, self._options)
+            return
+        compiled, tail = entry
+        stream = runtime.current_stream(device)
+        enter, exit_ = runtime.hooks()
+        grid = self._grid
+        metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter else None
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            metadata, enter, exit_, *args, *tail,
+        )  # fmt: skip
+
+    def cached_keys(self) -> list[tuple[Any, ...]]:
+        """The ``(device, tensor keys...)`` of this launch's site seen so far, in order."""
+        site = self._site
+        return [
+            (key[0], *key[2:])
+            for key in self.launcher._compiled
+            if type(key[1]) is int and key[1] == site
+        ]
 
 
 def _tail_arguments(kernel: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ byte-wise kernel. Other weights take the byte-wise kernel here
 the strip from L2, not memory, and the product is reduced along K once at the end).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import no_type_check
 
@@ -21,10 +22,10 @@ from torch import Tensor
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
-from qlens.kernels.launch import kernel_args, kernel_constants, on_device
+from qlens.kernels.launch import kernel_args, kernel_constants
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.splits import SplitTarget, split_target, store_tile
+from qlens.kernels.splits import reduce_splits, store_tile
 from qlens.kernels.weight_only import weight_only_linear
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
@@ -114,62 +115,183 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
     m, k = x.shape
     words = -(-k // 32) * 4
     padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % 32 else x
-    out = torch.empty((m, 8, words), dtype=x.dtype if for_dot else torch.float32, device=x.device)
-    out.copy_(padded.view(m, words, 8).transpose(1, 2))
-    return out
+    grouped = padded.view(m, words, 8).transpose(1, 2)
+    if for_dot or x.dtype == torch.float32:
+        return grouped.contiguous()  # one copy, no separate allocation call
+    return grouped.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 @dataclass(frozen=True)
-class ExpertRows:
-    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of a weight whose experts are stacked as
-    consecutive blocks of rows: one expert's words, scales and global scale lie ``words``,
-    ``scales`` and ``global_scale`` elements apart (0: shared)."""
+class ExpertStrides:
+    """Experts stacked as consecutive blocks of rows: one expert's words, scales and global
+    scale lie ``words``, ``scales`` and ``global_scale`` elements apart (0: shared)."""
 
-    ids: Tensor
     words: int
     scales: int
     global_scale: int
 
 
-def _packed_gemv(
-    x: Float[Tensor, "m k"],
-    w: KernelWeight,
-    words: Tensor,
-    bias: Float[Tensor, "..."] | None,
-    cfg: LinearConfig,
-    target: SplitTarget,
-    experts: ExpertRows | None = None,
-) -> None:
-    m, k = x.shape
-    block_m = _packed_block_m(m, cfg, experts=experts is not None)
-    use_dot = block_m > 1  # FMAs serve one row a program
-    if use_dot:
-        require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
-    xp = permute_codes(x, for_dot=use_dot)
-    split = target.split
-    grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
-    _, scales, zeros, global_scale = kernel_args(w)
-    if use_dot and scales.dtype == torch.float8_e4m3fn:
-        # E4M3 scales (NVFP4) as bytes, decoded by bit operations in the tensor-core path's own
-        # layout (16 rows: 8-14% faster on the H200); the FMA path keeps the hardware conversion
-        # (one row, 28672 x 8192: 73.3 us with the bit decode, 64.2 us without).
-        scales = scales.view(torch.uint8)
-        zeros = zeros if w.zeros is not None else scales
-    interpret = interpreting()
-    PACKED_GEMV.launch(
-        grid, xp, words, scales, zeros, global_scale, bias if bias is not None else x, target.out,
-        target.partials, words if experts is None else experts.ids,
-        m, w.n, k, xp.stride(0), xp.stride(1), words.stride(0), scales.stride(0), w.n,
-        target.stride_split,
-        *((0, 0, 0) if experts is None else (experts.words, experts.scales, experts.global_scale)),
-        FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
-        HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
-        USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret,
-        EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class ExpertRows(ExpertStrides):
+    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of experts stacked at these strides."""
+
+    ids: Tensor
+
+
+class PackedGemv:
+    """The word-wise GEMV of one weight for ``m`` rows of one dtype, prepared once: grid,
+    strides, constants and the weight's tensors are fixed, so a call regroups ``x``, allocates
+    the output and launches (plus the split reduction when K is split).
+
+    ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
+    (the ids come with each call)."""
+
+    def __init__(
+        self,
+        w: KernelWeight,
+        words: Tensor,
+        m: int,
+        dtype: torch.dtype,
+        has_bias: bool,
+        cfg: LinearConfig,
+        experts: ExpertStrides | None = None,
+    ) -> None:
+        block_m = _packed_block_m(m, cfg, experts=experts is not None)
+        use_dot = block_m > 1  # FMAs serve one row a program
+        if use_dot:
+            require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
+        split = 1 if experts is not None else cfg.split_k
+        device = words.device
+        self.m, self.n, self.for_dot, self.has_bias = m, w.n, use_dot, has_bias
+        self.out_shape, self.dtype, self.device = (m, w.n), dtype, device
+        self.partials_shape = (split, m, w.n) if split > 1 else None
+        _, scales, zeros, global_scale = kernel_args(w)
+        if use_dot and scales.dtype == torch.float8_e4m3fn:
+            # E4M3 scales (NVFP4) as bytes, decoded by bit operations in the tensor-core path's
+            # own layout (16 rows: 8-14% faster on the H200); the FMA path keeps the hardware
+            # conversion (one row, 28672 x 8192: 73.3 us with the bit decode, 64.2 us without).
+            scales = scales.view(torch.uint8)
+            zeros = zeros if w.zeros is not None else scales
+        n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
+        slot = words  # placeholder of a per-call tensor; unused pointers point at the words
+        args = (
+            slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
+            m, w.n, w.k, 8 * n_words, n_words, words.stride(0), scales.stride(0), w.n,
+            m * w.n if split > 1 else 0,
+            *((0, 0, 0) if experts is None else (experts.words, experts.scales,
+                                                 experts.global_scale)),
+        )  # fmt: skip
+        # x, then bias, out, partials and expert ids where the launch reads them
+        slots = [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
+        slots += [8] if experts is not None else []
+        interpret = interpreting()
+        self.launch = PACKED_GEMV.prepare(
+            (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split), args, slots, device,
+            FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
+            HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=has_bias,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+            USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret,
+            EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def __call__(
+        self, x: Float[Tensor, "m k"], bias: Tensor | None, ids: Tensor | None = None
+    ) -> Float[Tensor, "m n"]:
+        """``x @ W.T + bias`` (``x``: the prepared rows and dtype; expert ids as int32)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        xp = permute_codes(x, for_dot=self.for_dot)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        tensors = [xp, bias, out] if self.has_bias else [xp, out]
+        if self.partials_shape is not None:
+            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
+            tensors.append(partials)
+        if ids is not None:
+            tensors.append(ids)
+        self.launch(*tensors)
+        if self.partials_shape is not None:
+            reduce_splits(partials, bias, out)
+        return out
+
+
+class ByteGemv:
+    """The byte-wise GEMV of one weight for ``m`` rows (contiguous), prepared once like
+    :class:`PackedGemv`."""
+
+    def __init__(
+        self, w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+    ) -> None:
+        split = cfg.split_k
+        self.has_bias, self.out_shape, self.dtype = has_bias, (m, w.n), dtype
+        self.partials_shape = (split, m, w.n) if split > 1 else None
+        data, scales, zeros, global_scale = kernel_args(w)
+        device = self.device = data.device
+        slot = data  # placeholder of a per-call tensor; unused pointers point at the data
+        args = (
+            slot, data, scales, zeros, global_scale, slot, slot, slot,
+            m, w.n, w.k, w.k, w.data.stride(0), w.scales.stride(0), w.n,
+            m * w.n if split > 1 else 0,
+        )  # fmt: skip
+        slots = [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
+        self.launch = _GEMV.prepare(
+            (ceil_div(w.n, cfg.block_n), m, split), args, slots, device,
+            **kernel_constants(w), HAS_BIAS=has_bias,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=w.k % cfg.block_k == 0,
+            SPLIT_K=split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def __call__(self, x: Float[Tensor, "m k"], bias: Tensor | None) -> Float[Tensor, "m n"]:
+        """``x @ W.T + bias`` (``x``: the prepared rows and dtype)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        tensors = [x, bias, out] if self.has_bias else [x, out]
+        if self.partials_shape is not None:
+            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
+            tensors.append(partials)
+        self.launch(*tensors)
+        if self.partials_shape is not None:
+            reduce_splits(partials, bias, out)
+        return out
+
+
+GemvCall = Callable[[Tensor, Tensor | None], Tensor]
+# Prepared launches kept per launch view (one per row count, dtype, bias and launch seen);
+# beyond this the view's table starts afresh.
+_MAX_KEPT_CALLS = 512
+
+
+def prepared_gemv(
+    w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+) -> GemvCall:
+    """:func:`prepare_gemv`, kept on the launch view ``w`` (views are kept on their payloads)."""
+    calls = w.__dict__.setdefault("_qlens_gemv_calls", {})
+    key = (m, dtype, has_bias, cfg)
+    call = calls.get(key)
+    if call is None:
+        if len(calls) >= _MAX_KEPT_CALLS:
+            calls.clear()
+        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg)
+    return call
+
+
+def prepare_gemv(
+    w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+) -> GemvCall:
+    """The ``"gemv"`` path's launch for ``m`` rows of ``dtype`` against ``w``, prepared once:
+    packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
+    ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
+    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond."""
+    words = word_view(w) if cfg.words else None
+    if words is not None:
+        return PackedGemv(w, words, m, dtype, has_bias, cfg)
+    if m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
+        splitk = replace(cfg, path="splitk")
+        return lambda x, bias: weight_only_linear(x, w, bias, splitk)
+    return ByteGemv(w, m, dtype, has_bias, cfg)
 
 
 def experts_gemv(
@@ -190,10 +312,8 @@ def experts_gemv(
             f"the one-launch experts GEMV needs packed 4-bit rows of whole int32 words, got "
             f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
         )
-    out = torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
-    with on_device(x.device):
-        _packed_gemv(x, w, words, bias, cfg, split_target(out, 1), experts)
-    return out
+    call = PackedGemv(w, words, x.shape[0], x.dtype, bias is not None, cfg, experts)
+    return call(x, bias, experts.ids)
 
 
 def gemv_linear(
@@ -202,40 +322,6 @@ def gemv_linear(
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
 ) -> Float[Tensor, "m n"]:
-    """``x @ W.T + bias`` for a few rows ``x`` (contiguous 2-D), ``W`` decoded in-kernel.
-
-    Packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
-    ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
-    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond.
-    """
-    m, k = x.shape
-    words = word_view(w) if cfg.words else None
-    if words is None and m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
-        return weight_only_linear(x, w, bias, replace(cfg, path="splitk"))
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    target = split_target(out, cfg.split_k)
-    with on_device(x.device):
-        if words is not None:
-            _packed_gemv(x, w, words, bias, cfg, target)
-        else:
-            _byte_gemv(x, w, bias, cfg, target)
-    return target.finish(bias)
-
-
-def _byte_gemv(
-    x: Float[Tensor, "m k"],
-    w: KernelWeight,
-    bias: Float[Tensor, " n"] | None,
-    cfg: LinearConfig,
-    target: SplitTarget,
-) -> None:
-    m, k = x.shape
-    _GEMV.launch(
-        (ceil_div(w.n, cfg.block_n), m, target.split),
-        x, *kernel_args(w), bias if bias is not None else x, target.out, target.partials,
-        m, w.n, k, x.stride(0), w.data.stride(0), w.scales.stride(0), w.n,
-        target.stride_split, **kernel_constants(w), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        SPLIT_K=target.split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    """``x @ W.T + bias`` for a few rows ``x``, ``W`` decoded in-kernel, on the launch
+    :func:`prepare_gemv` prepares (once per view, rows, dtype, bias and ``cfg``)."""
+    return prepared_gemv(w, x.shape[0], x.dtype, bias is not None, cfg)(x, bias)

@@ -9,7 +9,9 @@ walk and no device query.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -18,7 +20,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig
-from qlens.kernels.dispatch import ACTIVATION_DTYPES
+from qlens.kernels.dequant import dequantize_triton, has_dequantize_kernel
+from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
+from qlens.kernels.gemv import prepared_gemv
 from qlens.kernels.reference import reference_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
@@ -40,18 +44,22 @@ def choose_route(payload: QuantPayload, device: torch.device) -> tuple[Route, st
     if problem is None:
         if unsupported_reason(payload) is None:
             return "kernel", None
-        from qlens.kernels.dequant import has_dequantize_kernel
-
         if has_dequantize_kernel(payload):
             return "dequantize", None
     return "reference", problem or unsupported_reason(payload) or "unsupported"
 
 
+LaunchCall = Callable[[Tensor, Tensor | None], Tensor]
+
+
 class LinearPlan:
     """``x @ W.T + bias`` for one payload on one device, on the route chosen when built.
 
-    ``route`` overrides the choice (the kernels under ``TRITON_INTERPRET=1`` on the CPU, in
-    tests). Built by :func:`plan_for`, which keeps it on the payload.
+    On the kernel route each (row count, activation dtype, bias or none) gets its launch
+    prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
+    so a later call reshapes, allocates the output and launches. ``route`` overrides the
+    choice (the kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). Built by
+    :func:`plan_for`, which keeps it on the payload.
     """
 
     def __init__(self, payload: QuantPayload, device: torch.device, route: Route | None = None):
@@ -65,6 +73,7 @@ class LinearPlan:
         self.route: Route = route
         self.view: KernelWeight | None = kernel_weight(payload) if route == "kernel" else None
         self._configs: dict[int, LinearConfig] = {}
+        self._calls: dict[tuple[int, torch.dtype, bool], LaunchCall] = {}
         self._values_checked = False
         if route == "reference" and device.type != "cpu":
             _warn_reference_on_accelerator(payload, device, reason or "unsupported")
@@ -83,8 +92,6 @@ class LinearPlan:
         """The launch for ``m`` rows (chosen once per row count)."""
         config = self._configs.get(m)
         if config is None:
-            from qlens.kernels.dispatch import _weight_config
-
             assert self.view is not None, "only the kernel route has launches"
             if len(self._configs) >= _MAX_KEPT_CONFIGS:
                 self._configs.clear()
@@ -92,19 +99,39 @@ class LinearPlan:
         return config
 
     def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        from qlens.kernels.dispatch import launch_kernel
-
         w = self.view
         assert w is not None
-        x2 = x.reshape(-1, w.k)
+        if x.shape[-1] != w.k:
+            raise ValueError(
+                f"input's last dim is {x.shape[-1]} but the weight has in_features {w.k} "
+                f"(weight shape [{w.n}, {w.k}])"
+            )
+        x2 = x.reshape(-1, w.k) if x.dim() != 2 else x
         m = x2.shape[0]
-        if m == 0:
-            return x.new_empty((*x.shape[:-1], w.n))
-        return launch_kernel(x2, w, bias, self.config(m)).reshape(*x.shape[:-1], w.n)
+        call = self._calls.get((m, x.dtype, bias is None))
+        if call is None:
+            if m == 0:
+                return x.new_empty((*x.shape[:-1], w.n))
+            call = self._prepare(m, x.dtype, bias is None)
+        out = call(x2, bias)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.n)
+
+    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> LaunchCall:
+        """The launch for ``m`` rows of ``dtype``, prepared and kept."""
+        w = self.view
+        assert w is not None, "only the kernel route has launches"
+        config = self.config(m)
+        call: LaunchCall
+        if config.path == "gemv":
+            call = prepared_gemv(w, m, dtype, not no_bias, config)
+        else:
+            call = functools.partial(_launch_on, w, config)
+        if len(self._calls) >= _MAX_KEPT_CONFIGS:
+            self._calls.clear()
+        self._calls[m, dtype, no_bias] = call
+        return call
 
     def _dequantize(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        from qlens.kernels.dequant import dequantize_triton
-
         if self._values_checked:
             weight = dequantize_triton(self.payload, x.dtype, check_values=False)
         else:
@@ -116,6 +143,10 @@ class LinearPlan:
                 return reference_linear(x, self.payload, bias)
             self._values_checked = True
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _launch_on(w: KernelWeight, config: LinearConfig, x2: Tensor, bias: Tensor | None) -> Tensor:
+    return launch_kernel(x2, w, bias, config)
 
 
 def plan_for(payload: QuantPayload, device: torch.device) -> LinearPlan:

@@ -8,11 +8,10 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.experts import expert_views, experts_in_one_launch, experts_linear
+from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear
 from qlens.modules.routing import route_to_experts
-from qlens.quant.expert_payloads import num_experts_of
 from qlens.quant.payload import QuantPayload
 
 
@@ -20,34 +19,33 @@ def fused_experts_forward(
     hidden_states: Float[Tensor, "tokens hidden"],
     top_k_index: Integer[Tensor, "tokens k"],
     top_k_weights: Float[Tensor, "tokens k"],
-    first: QuantPayload,
-    down: QuantPayload,
+    first: ExpertsPlan,
+    down: ExpertsPlan,
     first_bias: Float[Tensor, "experts inner"] | None,
     down_bias: Float[Tensor, "experts hidden"] | None,
     activate: Callable[[Tensor], Tensor],
 ) -> Float[Tensor, "tokens hidden"]:
-    """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads for every routed
-    (token, expert) pair, weighted and summed as ``route_to_experts`` does (ids outside
-    ``[0, experts of first)`` skipped).
+    """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads (their kept
+    ``ExpertsPlan``) for every routed (token, expert) pair, weighted and summed as
+    ``route_to_experts`` does (ids outside ``[0, experts of first)`` skipped).
 
-    Few rows on an accelerator run each projection in one launch (``experts_in_one_launch``),
+    Few rows on an accelerator run each projection in one launch (``ExpertsPlan.one_launch``),
     with no host sync: the routing clamps the ids. Otherwise each hit expert runs its two
     linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
-    num_experts = num_experts_of(first)
-    firsts, downs = expert_views(first), expert_views(down)
+    firsts, downs = first.views, down.views
 
     def expert_fn(expert: int, x: Tensor) -> Tensor:
         h = linear(x, firsts[expert], _row(first_bias, expert))
         return linear(activate(h), downs[expert], _row(down_bias, expert))
 
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-        h = experts_linear(x, first, ids, first_bias, ids_in_range=True)
-        return experts_linear(activate(h), down, ids, down_bias, ids_in_range=True)
+        return down.rows(activate(first.rows(x, ids, first_bias)), ids, down_bias)
 
-    one_launch = experts_in_one_launch((first, down), hidden_states, top_k_index.numel())
+    rows = top_k_index.numel()
+    one_launch = first.one_launch(rows) and down.one_launch(rows)
     return route_to_experts(
-        hidden_states, top_k_index, top_k_weights, num_experts, expert_fn,
+        hidden_states, top_k_index, top_k_weights, first.num_experts, expert_fn,
         rows_fn if one_launch else None,
     )  # fmt: skip
 

@@ -8,11 +8,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.modules.dispatch import (
-    check_payload_device,
-    fused_experts_forward,
-    traced_experts_forward,
-)
+from qlens.modules.dispatch import fused_experts_forward, traced_experts_forward
 from qlens.modules.expert_gate import ExpertGate
 from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.expert_payloads import num_experts_of
@@ -103,11 +99,9 @@ class QuantExperts(PayloadModule):
                 (self.payload_tensors("down"), self.payload_key("down")),
                 self.gate_up_bias, self.down_bias, self.gate.apply,
             )  # fmt: skip
-        gate_up, down = self.gate_up_payload, self.down_payload
-        check_payload_device(gate_up, hidden_states, "QuantExperts")
-
         return fused_experts_forward(
-            hidden_states, index, weights, gate_up, down, self.gate_up_bias, self.down_bias,
+            hidden_states, index, weights, self.experts_plan("gate_up", hidden_states),
+            self.experts_plan("down", hidden_states), self.gate_up_bias, self.down_bias,
             self.gate.apply,
         )  # fmt: skip
 

@@ -9,8 +9,6 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from qlens.kernels.ops import compiled_linear
-from qlens.kernels.plan import linear
-from qlens.modules.dispatch import check_payload_device
 from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.payload import QuantPayload
 
@@ -71,9 +69,7 @@ class QuantLinear(PayloadModule):
             return compiled_linear(
                 x, self.payload_tensors("weight"), self.payload_key("weight"), self.bias
             )
-        payload = self.payload
-        check_payload_device(payload, x, "QuantLinear")
-        return linear(x, payload, self.bias)
+        return self.linear_plan("weight", x)(x, self.bias)
 
     def extra_repr(self) -> str:
         payload = self.payload

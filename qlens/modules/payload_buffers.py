@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from operator import is_
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from qlens.kernels.experts import ExpertsPlan, experts_plan_for
+from qlens.kernels.plan import LinearPlan, plan_for
+from qlens.modules.dispatch import check_payload_device
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import PayloadSpec
 
 __all__ = ["PayloadModule", "PayloadSpec", "buffer_name"]
+
+P = TypeVar("P", LinearPlan, ExpertsPlan)
 
 
 def buffer_name(prefix: str, tensor_name: str) -> str:
@@ -28,7 +34,9 @@ class PayloadModule(nn.Module):
 
     The payload built on the buffers is kept (with the launch plans the kernels keep on it) and
     rebuilt only when the buffers change: ``.to()``/``_apply``, ``load_state_dict``, or a buffer
-    replaced in place of another (device maps and offloading hooks do that).
+    replaced in place of another (device maps and offloading hooks do that). The linear plan
+    of each payload is kept on the module too (``linear_plan``), so a forward reaches it
+    with one identity check of the buffers.
     """
 
     def __init__(self) -> None:
@@ -37,6 +45,7 @@ class PayloadModule(nn.Module):
         self._payload_keys: dict[str, str] = {}
         self._payload_buffers: dict[str, tuple[str, ...]] = {}
         self._prepared: dict[str, tuple[tuple[torch.Tensor, ...], QuantPayload]] = {}
+        self._plans: dict[str, tuple[tuple[torch.Tensor, ...], LinearPlan | ExpertsPlan]] = {}
 
     def register_payload(self, prefix: str, payload: QuantPayload) -> None:
         """Register every tensor of ``payload`` as a persistent buffer under ``prefix``."""
@@ -69,6 +78,31 @@ class PayloadModule(nn.Module):
         self._prepared[prefix] = (tensors, payload)
         return payload
 
+    def linear_plan(self, prefix: str, x: torch.Tensor) -> LinearPlan:
+        """The launch plan (``qlens.kernels.plan_for``) of the payload under ``prefix`` for
+        inputs ``x``, kept while the buffers are the same tensors; raises when ``x`` is on
+        another device than the payload."""
+        return self._kept_plan(prefix, x, plan_for)
+
+    def experts_plan(self, prefix: str, x: torch.Tensor) -> ExpertsPlan:
+        """``linear_plan`` for an ``[experts, out, in]`` payload (``experts_plan_for``)."""
+        return self._kept_plan(prefix, x, experts_plan_for)
+
+    def _kept_plan(
+        self, prefix: str, x: torch.Tensor, build: Callable[[QuantPayload, torch.device], P]
+    ) -> P:
+        kept = self._plans.get(prefix)
+        if kept is not None:
+            tensors, plan = kept
+            now = map(self._buffers.__getitem__, self._payload_buffers[prefix])
+            if all(map(is_, now, tensors)) and x.device == plan.device:
+                return cast(P, plan)
+        payload = self.payload_for(prefix)
+        check_payload_device(payload, x, type(self).__name__)
+        built = build(payload, x.device)
+        self._plans[prefix] = (self._prepared[prefix][0], built)
+        return built
+
     def _payload_buffer(self, name: str) -> torch.Tensor:
         tensor = self._buffers[name]
         if tensor is None:
@@ -82,6 +116,7 @@ class PayloadModule(nn.Module):
     def forget_prepared(self) -> None:
         """Drop the kept payloads and their launch plans (rebuilt on the next forward)."""
         self._prepared.clear()
+        self._plans.clear()
 
     def _payload_buffer_names(self) -> list[str]:
         return [name for names in self._payload_buffers.values() for name in names]

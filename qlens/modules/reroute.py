@@ -19,19 +19,21 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
+from qlens.kernels.experts import experts_plan_for
 from qlens.kernels.ops import compiled_linear
-from qlens.kernels.plan import linear
+from qlens.kernels.plan import plan_for
 from qlens.modules.dispatch import (
     check_payload_device,
     fused_experts_forward,
     traced_experts_forward,
 )
 from qlens.modules.expert_gate import ExpertGate
+from qlens.quant import adopt
 from qlens.quant.adopt.compressed_tensors import (
     detach_decompress_hook,
     is_compressed_tensors_module,
@@ -180,11 +182,9 @@ _ADOPTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.W
 
 
 def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
-    from qlens.quant.adopt import adopt_module
-
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
-    holders = [v for k, v in vars(module).items() if k != _TRACED and not isinstance(v, _PLAIN)]
+    holders = [v for k, v in vars(module).items() if k not in _KEPT and not isinstance(v, _PLAIN)]
     key = (
         tuple((t.data_ptr(), t.device, t._version) for t in tensors),
         tuple(id(v) for v in holders),
@@ -192,7 +192,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
     cached = _ADOPTED.get(module)
     if cached is not None and cached[0] == key:
         return cached[1]  # type: ignore[return-value]
-    payloads = adopt_module(module)
+    payloads = adopt.adopt_module(module)
     _ADOPTED[module] = (key, payloads)
     module.__dict__[_TRACED] = _op_arguments(payloads)
     return payloads
@@ -232,8 +232,8 @@ def _linear_forward(self: Any, x: Tensor) -> Tensor:
     payload = _adopted(self)
     if not isinstance(payload, QuantPayload):
         raise TypeError(f"adopting {type(self).__name__} gave {sorted(payload)}, not one payload")
-    check_payload_device(payload, x, type(self).__name__)
-    return linear(x, payload, bias)
+    plan = _kept_plans(self, payload, payload, x, lambda: plan_for(payload, x.device))
+    return plan(x, bias)
 
 
 def _experts_forward(
@@ -247,13 +247,39 @@ def _experts_forward(
     has_gate = "gate_up_proj" in payloads
     first = payloads["gate_up_proj" if has_gate else "up_proj"]
     down = payloads["down_proj"]
-    check_payload_device(first, hidden_states, type(self).__name__)
+    device = hidden_states.device
+    first_plan, down_plan = _kept_plans(
+        self, payloads, first, hidden_states,
+        lambda: (experts_plan_for(first, device), experts_plan_for(down, device)),
+    )  # fmt: skip
     first_bias = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
     down_bias = getattr(self, "down_proj_bias", None)
     activate = _gate_fn(self) if has_gate else self.act_fn
     return fused_experts_forward(
-        hidden_states, top_k_index, top_k_weights, first, down, first_bias, down_bias, activate
-    )
+        hidden_states, top_k_index, top_k_weights, first_plan, down_plan, first_bias, down_bias,
+        activate,
+    )  # fmt: skip
+
+
+# The launch plans of the adopted payloads on the device of the last input, kept on the module
+# with the adoption they belong to: a forward reaches them with two comparisons.
+_PLANS = "_qlens_adopted_plans"
+T = TypeVar("T")
+_KEPT = (_TRACED, _PLANS)  # what qlens keeps on the module itself: not part of the adoption
+
+
+def _kept_plans(
+    module: nn.Module, adoption: object, payload: QuantPayload, x: Tensor, build: Callable[[], T]
+) -> T:
+    """``build()``'s plans, kept until the module adopts its tensors again or ``x`` comes on
+    another device (then checked against ``payload``'s device first)."""
+    kept = module.__dict__.get(_PLANS)
+    if kept is not None and kept[0] is adoption and kept[1] == x.device:
+        return cast(T, kept[2])
+    check_payload_device(payload, x, type(module).__name__)
+    plans = build()
+    module.__dict__[_PLANS] = (adoption, x.device, plans)
+    return plans
 
 
 def _traced_experts(

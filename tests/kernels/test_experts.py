@@ -32,13 +32,12 @@ def _per_expert_global(payload):
 )
 def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
     import qlens.kernels.experts as experts_module
-    import qlens.kernels.gemv as gemv_module
 
     calls = []
     monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)
-    real = gemv_module.experts_gemv
+    real = experts_module.PackedGemv  # prepared once per (payload, dtype) for the one launch
     monkeypatch.setattr(
-        gemv_module, "experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        experts_module, "PackedGemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     gen = torch.Generator().manual_seed(0)
     name, kwargs = scheme
@@ -60,9 +59,9 @@ def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
 
 
 def test_experts_outside_whole_words_run_one_by_one(monkeypatch):
-    import qlens.kernels.gemv as gemv_module
+    import qlens.kernels.experts as experts_module
 
-    monkeypatch.setattr(gemv_module, "experts_gemv", None)  # must not be reached
+    monkeypatch.setattr(experts_module, "PackedGemv", None)  # must not be reached
     payload = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
     x, ids = torch.randn(4, 90), torch.tensor([2, 0, 2, 1])
     ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(payload, torch.float64)[ids])

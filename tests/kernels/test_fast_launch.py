@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from qlens.kernels import LinearConfig
-from qlens.kernels.fast_launch import FastLaunch, arg_key, launch_key, triton_version
+from qlens.kernels.fast_launch import (
+    FastLaunch,
+    PreparedLaunch,
+    arg_key,
+    launch_key,
+    triton_version,
+)
 from qlens.kernels.runtime import interpreting
 from qlens.quant.quantize import quantize_weight
 
@@ -253,7 +259,14 @@ def test_every_launch_site_passes_runtime_parameters_by_position(monkeypatch):
         recorded.append((self, args, options))
         normal_launch(self, grid, *args, **options)
 
+    prepared_launch = PreparedLaunch.__call__
+
+    def record_prepared(self: PreparedLaunch, *tensors: torch.Tensor) -> None:
+        recorded.append((self.launcher, self.arguments(*tensors), self._options))
+        prepared_launch(self, *tensors)
+
     monkeypatch.setattr(FastLaunch, "launch", record)
+    monkeypatch.setattr(PreparedLaunch, "__call__", record_prepared)
     gen = torch.Generator().manual_seed(0)
     for (scheme, kwargs), w8a8, m, cfg in LAUNCH_SITE_CALLS:
         payload = quantize_weight(torch.randn(32, 256, generator=gen), scheme, **kwargs)
@@ -269,3 +282,130 @@ def test_every_launch_site_passes_runtime_parameters_by_position(monkeypatch):
         for param, value in zip(kernel.params[len(args) :], tail, strict=True):
             assert param.is_constexpr
             assert value is options.get(param.name, kernel.signature.parameters[param.name].default)
+
+
+def _prepared(
+    kernel: FakeKernel, runtime: FakeRuntime | None = None, device: str = "cpu"
+) -> tuple[PreparedLaunch, torch.Tensor]:
+    """A launch of ``(a, b, 48)`` with ``b`` fixed and ``a`` the per-call slot."""
+    fixed = torch.zeros(16, dtype=torch.float16)
+    launch = _fast(kernel, runtime).prepare(
+        (4,), (None, fixed, 48), [0], torch.device(device), BLOCK=16, num_warps=4
+    )
+    return launch, fixed
+
+
+def test_prepared_launch_fills_its_slots_and_keys_only_them() -> None:
+    kernel = FakeKernel()
+    launch, fixed = _prepared(kernel)
+    buf = torch.zeros(64, dtype=torch.float16)
+    for _ in range(3):
+        launch(buf[8:24])
+    assert len(kernel.normal) == 1
+    grid, args, options = kernel.normal[0]
+    assert grid == (4, 1, 1) and args[1] is fixed and args[2] == 48
+    assert options == {"BLOCK": 16, "num_warps": 4}
+    run = kernel.compiled[0].runs[-1]
+    assert len(kernel.compiled[0].runs) == 2
+    assert run[:9] == (4, 1, 1, 1000, "fn", (4, 1), None, None, None)
+    assert run[9].data_ptr() == buf[8:].data_ptr() and run[10] is fixed
+    assert run[11:] == (48, 16, True)
+    launch(buf[1:17])  # misaligned: Triton compiles another specialization
+    launch(buf.float()[:16])  # another dtype
+    launch(buf[16:32])  # aligned float16 again: the first key
+    assert len(kernel.normal) == 3
+    assert launch.cached_keys() == [
+        (0, (torch.float16, True)),
+        (0, (torch.float16, False)),
+        (0, (torch.float32, True)),
+    ]
+
+
+def test_prepared_launch_arguments_interleave_fixed_values_and_slots() -> None:
+    launcher = _fast(FakeKernel())
+    a, b = torch.zeros(4), torch.ones(4)
+    launch = launcher.prepare((1,), (None, 7, None, 9), [0, 2], torch.device("cpu"), BLOCK=16)
+    assert launch.arguments(a, b) == (a, 7, b, 9)
+    with pytest.raises(ValueError, match="slots must be increasing positions"):
+        launcher.prepare((1,), (None, 7), [1, 0], torch.device("cpu"), BLOCK=16)
+    with pytest.raises(ValueError, match="slots must be increasing positions"):
+        launcher.prepare((1,), (None, 7), [2], torch.device("cpu"), BLOCK=16)
+    with pytest.raises(ValueError, match="zip"):
+        launch.arguments(a)
+
+
+def test_prepared_launch_runs_on_its_own_device(monkeypatch) -> None:
+    kernel, runtime = FakeKernel(), FakeRuntime()
+    launch, _ = _prepared(kernel, runtime, device="cuda:1")
+    entered: list[int] = []
+
+    class SwitchDevice:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            entered.append(self.index)
+            self.previous, runtime.device = runtime.device, self.index
+
+        def __exit__(self, *exc: Any) -> None:
+            runtime.device = self.previous
+
+    monkeypatch.setattr(torch.cuda, "device", SwitchDevice)
+    x = torch.zeros(16, dtype=torch.float16)
+    launch(x)
+    launch(x)
+    assert entered == [1, 1] and runtime.device == 0
+    assert launch.cached_keys() == [(1, (torch.float16, True))]
+    assert kernel.compiled[0].runs[0][3] == 1001  # the stream of device 1
+
+
+def test_prepared_launch_honours_direct_off() -> None:
+    kernel = FakeKernel()
+    launch, _ = _prepared(kernel)
+    x = torch.zeros(16, dtype=torch.float16)
+    FastLaunch.direct = False
+    try:
+        launch(x)
+        launch(x)
+    finally:
+        FastLaunch.direct = True
+    assert len(kernel.normal) == 2 and launch.cached_keys() == []
+
+
+def test_launcher_keys_and_clear_cover_its_prepared_launches() -> None:
+    kernel = FakeKernel()
+    launch, _ = _prepared(kernel)
+    launcher = launch.launcher
+    x = torch.zeros(16, dtype=torch.float16)
+    launch(x)
+    launcher.launch((1,), x, x, 16, BLOCK=16)
+    assert launcher.cached_keys() == [
+        (0, 0, (torch.float16, True)),  # device, the prepared launch's site, its tensor's key
+        (0, ((torch.float16, True), (torch.float16, True), (32, False, True)), (("BLOCK", 16),)),
+    ]
+    launcher.clear()
+    assert launcher.cached_keys() == [] and launch.cached_keys() == []
+    launch(x)  # the normal launch again
+    assert len(kernel.normal) == 3
+
+
+def test_prepared_launches_of_one_site_share_their_compiled_kernels() -> None:
+    kernel = FakeKernel()
+    launcher = _fast(kernel)
+    fixed, other = torch.zeros(16), torch.zeros(32)
+    cpu = torch.device("cpu")
+    first = launcher.prepare((4,), (None, fixed, 48), [0], cpu, BLOCK=16)
+    same = launcher.prepare((8,), (None, other, 64), [0], cpu, BLOCK=16)  # equal keys
+    x = torch.zeros(16, dtype=torch.float16)
+    first(x)
+    same(x)  # direct: the kernel compiled for the first is the one Triton would pick
+    assert len(kernel.normal) == 1 and kernel.compiled[0].runs[0][:3] == (8, 1, 1)
+    assert kernel.compiled[0].runs[0][10] is other and kernel.compiled[0].runs[0][11] == 64
+    for fixed_args, options in (
+        ((None, fixed, 49), {"BLOCK": 16}),  # an int no longer divisible by 16
+        ((None, fixed[1:], 48), {"BLOCK": 16}),  # a misaligned fixed tensor
+        ((None, fixed, 48), {"BLOCK": 32}),  # another constexpr
+    ):
+        before = len(kernel.normal)
+        launcher.prepare((4,), fixed_args, [0], cpu, **options)(x)
+        assert len(kernel.normal) == before + 1, (fixed_args, options)

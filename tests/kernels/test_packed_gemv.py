@@ -177,8 +177,8 @@ def test_word_kernel_is_the_default_and_can_be_turned_off(monkeypatch):
     assert word_view(kernel_weight(payload)) is not None
     assert default_config(payload, 3, x.device).words
     launched = []
-    monkeypatch.setattr(gemv, "_packed_gemv", _spy(gemv._packed_gemv, launched, "word"))
-    monkeypatch.setattr(gemv, "_byte_gemv", _spy(gemv._byte_gemv, launched, "byte"))
+    monkeypatch.setattr(gemv, "PackedGemv", _spy(gemv.PackedGemv, launched, "word"))
+    monkeypatch.setattr(gemv, "ByteGemv", _spy(gemv.ByteGemv, launched, "byte"))
     word = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 16, 64))
     # the byte-wise kernel, for comparisons
     byte_config = LinearConfig("gemv", 16, 16, 64, words=False)

@@ -1,5 +1,6 @@
-"""What an eager forward of a quantized module does on the host: the payload, its checks and the
-launch choice happen once; later calls only launch. Rebuilt once after ``.to()`` or
+"""What an eager forward of a quantized module does on the host: the payload, its checks, the
+launch choice and the launch's arguments happen once; later calls only launch (one Triton launch
+a linear on the decode path, through the direct launcher). Rebuilt once after ``.to()`` or
 ``load_state_dict``, and still exact. The kernels run in Triton's interpreter here."""
 
 from __future__ import annotations
@@ -10,12 +11,18 @@ import torch.nn.functional as F
 from tiny_models import make_model
 
 import qlens.kernels.dispatch as dispatch
+import qlens.kernels.experts as kernel_experts
+import qlens.kernels.fast_launch as fast_launch
+import qlens.kernels.gemv as gemv
 import qlens.kernels.plan as plan
 import qlens.kernels.weights as weights
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.weight_only import _WEIGHT_ONLY
 from qlens.kernels.weights import unsupported_reason
 from qlens.modules import QuantExperts, QuantLinear
 from qlens.modules.model_quantize import quantize
+from qlens.modules.payload_buffers import PayloadModule
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
 from qlens.quant.quantize import quantize_weight
@@ -55,6 +62,7 @@ class Counts:
         monkeypatch.setattr(QuantPayload, "__init__", count_payload)
         monkeypatch.setattr(weights, "_checked_view", count_check)
         monkeypatch.setattr(dispatch, "_weight_config", count_config)
+        monkeypatch.setattr(plan, "_weight_config", count_config)
         monkeypatch.setattr(plan, "choose_route", kernel_route)
 
     def snapshot(self) -> tuple[int, int, int, int]:
@@ -149,15 +157,27 @@ def test_quant_experts_prepare_every_expert_once(counts: Counts) -> None:
     with torch.no_grad():
         first = experts(x, index, weights_)
         after_first = counts.snapshot()
-        assert after_first[1] == 2 * experts.num_experts  # gate_up and down of every expert
+        # gate_up and down of every expert, and each payload's stacked view (one-launch GEMV)
+        assert after_first[1] == 2 * experts.num_experts + 2
         for _ in range(CALLS):
             assert torch.equal(experts(x, index, weights_), first)
     assert counts.snapshot() == after_first
 
 
-def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -> None:
+def _fp8_linear_holder() -> tuple[torch.nn.Module, torch.nn.Sequential]:
+    """A transformers ``FP8Linear`` [64, 128] with a bias, in a container."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
+    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
+    with torch.no_grad():
+        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
+        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
+        layer.bias.copy_(torch.randn(64))
+    holder = torch.nn.Sequential(layer)
+    return layer, holder
+
+
+def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -> None:
     import qlens.quant.adopt as adopt
     from qlens.modules.reroute import reroute_quantized_modules
 
@@ -169,12 +189,7 @@ def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -
         return adopt_module(module)
 
     monkeypatch.setattr(adopt, "adopt_module", count_adoption)
-    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
-    with torch.no_grad():
-        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
-        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
-        layer.bias.copy_(torch.randn(64))
-    holder = torch.nn.Sequential(layer)
+    layer, holder = _fp8_linear_holder()
     assert reroute_quantized_modules(holder, force=True) == ["0"]
     x = torch.randn(2, 128)
     first = holder(x)
@@ -186,3 +201,223 @@ def test_rerouted_module_adopts_and_prepares_once(counts: Counts, monkeypatch) -
     weight = layer.weight.float() * layer.weight_scale_inv
     expected = F.linear(x.double(), weight.double(), layer.bias.double())
     assert _rel_err(first, expected) < 1e-5
+
+
+class DirectLaunches:
+    """Every ``FastLaunch`` and prepared launch takes its direct path, over Triton's interpreter.
+
+    A normal launch (a launch key seen for the first time) runs the interpreted kernel and
+    keeps a stand-in compiled kernel whose ``run`` launches it again with exactly the arguments
+    the direct path passes, so results stay checked. Counts the normal launches and every
+    Triton launch (``InterpretedFunction.run``, whatever path made it).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        self.normal = self.launches = 0
+        run = InterpretedFunction.run
+        signatures: dict[object, JITFunction] = {}
+
+        def count_run(kernel, *args, **kwargs):
+            self.launches += 1
+            return run(kernel, *args, **kwargs)
+
+        def first_launch(launcher, grid, args, options):
+            self.normal += 1
+            launcher.kernel[grid](*args, **options)
+            fn = launcher.kernel.fn
+            jit = signatures.setdefault(fn, JITFunction(fn))  # the kernel's parameters
+            return _InterpretedCompiled(launcher.kernel), fast_launch._tail_arguments(
+                jit, args, options
+            )
+
+        monkeypatch.setattr(InterpretedFunction, "run", count_run)
+        for launcher in (gemv.PACKED_GEMV, gemv._GEMV, _WEIGHT_ONLY):  # no kernel kept yet
+            monkeypatch.setattr(launcher, "_compiled", {})
+        monkeypatch.setattr(FastLaunch, "runtime", lambda launcher: _DEVICE_ZERO)
+        monkeypatch.setattr(FastLaunch, "_first_launch", first_launch)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.normal, self.launches
+
+
+class _InterpretedCompiled:
+    """``CompiledKernel.run``'s call, run by the interpreter."""
+
+    function = "interpreted"
+    packed_metadata = ()
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def launch_metadata(self, *args) -> None:
+        raise AssertionError("no launch hook is set")
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args) -> None:
+        assert (stream, function, metadata, enter, exit_) == (7, "interpreted", None, None, None)
+        self.kernel[(g0, g1, g2)](*args)
+
+
+class _DeviceZero:
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: int) -> int:
+        return 7
+
+    def hooks(self) -> tuple[None, None]:
+        return None, None
+
+
+_DEVICE_ZERO = _DeviceZero()
+
+
+class Lookups:
+    """Calls of the per-call work a kept plan saves: the module's buffer walk and the lookups
+    of what is kept on a payload."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        payload_for = PayloadModule.payload_for
+        cached = weights.cached_on_payload
+
+        def count_payload_for(module, prefix):
+            self.calls += 1
+            return payload_for(module, prefix)
+
+        def count_cached(*args, **kwargs):
+            self.calls += 1
+            return cached(*args, **kwargs)
+
+        monkeypatch.setattr(PayloadModule, "payload_for", count_payload_for)
+        for module in (weights, plan, kernel_experts):
+            monkeypatch.setattr(module, "cached_on_payload", count_cached)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kernel"),
+    [("int4", "packed"), ("nvfp4", "packed"), ("int4-asym", "packed"), ("fp8-block", "byte")],
+)
+def test_quant_linear_decode_call_is_one_direct_launch(
+    scheme: str, kernel: str, counts: Counts, monkeypatch
+) -> None:
+    """After the first one-token call: no payload built, checked, planned or looked up, no
+    launch key missed, and one Triton launch (no regrouping kernel, no split reduction)."""
+    torch.manual_seed(0)
+    options = {"asymmetric": True, "group_size": 32} if scheme == "int4-asym" else {}
+    payload = quantize_weight(torch.randn(48, 96), scheme.removesuffix("-asym"), **options)
+    module = QuantLinear(payload, torch.randn(48))
+    x = torch.randn(1, 96)
+    normal = module(x)  # the interpreter's own launch
+    module.forget_prepared()
+    direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
+    prepared = gemv.PackedGemv if kernel == "packed" else gemv.ByteGemv
+    built: list[object] = []
+    monkeypatch.setattr(prepared, "__init__", _counting(prepared.__init__, built))
+    first = module(x)
+    assert torch.equal(first, normal) and len(built) == 1
+    after_first, launched = counts.snapshot(), direct.snapshot()
+    assert launched == (1, 1)  # one key, one launch
+    lookups.calls = 0
+    for call in range(1, CALLS + 1):
+        assert torch.equal(module(x), normal)
+        assert direct.snapshot() == (1, 1 + call)  # one direct launch a call, no key missed
+    assert counts.snapshot() == after_first and lookups.calls == 0 and len(built) == 1
+    assert _rel_err(first, _expected(module, x)) < 1e-5
+
+
+def _counting(init, built: list[object]):
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    return counted
+
+
+def test_a_new_row_count_or_dtype_prepares_one_more_launch(counts: Counts, monkeypatch) -> None:
+    module, _ = _linear()
+    direct = DirectLaunches(monkeypatch)
+    for rows, dtype in ((1, torch.float32), (1, torch.bfloat16), (3, torch.float32)):
+        x = torch.randn(rows, 96).to(dtype)
+        before = direct.normal
+        first = module(x)
+        assert direct.normal == before + 1
+        assert torch.equal(module(x), first) and direct.normal == before + 1
+    module(torch.randn(3, 96).bfloat16())
+    assert counts.snapshot()[1:] == (1, 2, 1)  # one check, one launch choice per row count
+
+
+def test_quant_experts_decode_is_one_launch_per_projection(counts: Counts, monkeypatch) -> None:
+    from qlens.kernels.experts import ExpertsPlan
+
+    model = quantize(make_model("qwen3_moe"), "int4")
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    x = torch.randn(1, 128)
+    index, weights_ = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
+    with torch.no_grad():
+        loop = experts(x, index, weights_)  # the expert loop (the CPU's choice)
+        monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
+        experts.forget_prepared()
+        direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
+        first = experts(x, index, weights_)
+        after_first, launched = counts.snapshot(), direct.snapshot()
+        # gate_up and down: one launch each, one normal launch per key (the two projections
+        # share one when Triton would specialize them alike)
+        keys = len(gemv.PACKED_GEMV.cached_keys())
+        assert launched == (keys, 2) and keys in (1, 2)
+        lookups.calls = 0
+        for call in range(1, CALLS + 1):
+            assert torch.equal(experts(x, index, weights_), first)
+            assert direct.snapshot() == (keys, 2 + 2 * call)
+    assert counts.snapshot() == after_first and lookups.calls == 0
+    torch.testing.assert_close(first, loop, atol=1e-5, rtol=1e-5)
+
+
+def test_rerouted_linear_decode_call_is_one_direct_launch(counts: Counts, monkeypatch) -> None:
+    from qlens.modules.reroute import reroute_quantized_modules
+
+    _, holder = _fp8_linear_holder()
+    reroute_quantized_modules(holder, force=True)
+    x = torch.randn(1, 128)
+    direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
+    first = holder(x)
+    after_first = counts.snapshot()
+    assert direct.snapshot() == (1, 1)
+    lookups.calls = 0
+    for call in range(1, CALLS + 1):
+        assert torch.equal(holder(x), first)
+        assert direct.snapshot() == (1, 1 + call)
+    assert counts.snapshot() == after_first and lookups.calls == 0
+    with pytest.raises(RuntimeError, match=r"FP8Linear: input is on meta but its quantized"):
+        holder(torch.empty(1, 128, device="meta"))
+
+
+def test_an_input_on_another_device_than_the_kept_plan_raises() -> None:
+    module, x = _linear()
+    module(x)  # the plan is kept for the CPU
+    with pytest.raises(RuntimeError, match=r"QuantLinear: input is on meta but its quantized"):
+        module(torch.empty(2, 96, device="meta"))
+    model = quantize(make_model("qwen3_moe"), "int4")
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    index, weights_ = torch.tensor([[1, 0]]), torch.tensor([[0.5, 0.5]])
+    with torch.no_grad():
+        experts(torch.randn(1, 128), index, weights_)
+        with pytest.raises(RuntimeError, match=r"QuantExperts: input is on meta but its"):
+            experts(torch.empty(1, 128, device="meta"), index, weights_)
+
+
+def test_a_k_split_decode_call_is_the_gemv_and_its_reduction(counts: Counts, monkeypatch) -> None:
+    from qlens.kernels import LinearConfig
+
+    module, _ = _linear()
+    split = LinearConfig("gemv", 16, 16, 32, split_k=2)  # K = 96: three steps over two splits
+    monkeypatch.setattr(plan, "_weight_config", lambda *args: split)
+    direct = DirectLaunches(monkeypatch)
+    x = torch.randn(1, 96)
+    first = module(x)
+    for _ in range(CALLS):
+        assert torch.equal(module(x), first)
+    assert direct.snapshot() == (1, 2 * (CALLS + 1))  # the partials' sum is its own launch
+    assert _rel_err(first, _expected(module, x)) < 1e-5

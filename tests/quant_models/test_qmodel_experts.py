@@ -56,7 +56,7 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     """Few (token, route) rows on an accelerator take one experts-GEMV launch per projection
     (faked here: the interpreter runs the kernels on CPU tensors); same result as the loop, and
     no host-side check of the (clamped) expert ids."""
-    import qlens.modules.dispatch as dispatch_module
+    from qlens.kernels.experts import ExpertsPlan
 
     model = make_model(family)
     quantized = quantize(model, scheme).get_submodule("model.layers.0.mlp.experts")
@@ -65,18 +65,18 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     index[1, 0] = 4  # a skipped route
     with torch.no_grad():
         loop = quantized(x, index, weights)
-        monkeypatch.setattr(dispatch_module, "experts_in_one_launch", lambda *a: True)
+        monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
         monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
         fused = quantized(x, index, weights)
     torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4)
 
 
 def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
-    from qlens.kernels.experts import FUSED_EXPERT_ROWS
-    from qlens.modules.dispatch import experts_in_one_launch
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan, experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     assert not experts_in_one_launch((payload,), torch.randn(2, 64), 2)  # CPU: reference path
+    assert not ExpertsPlan(payload, torch.device("cpu")).one_launch(2)
     meta = torch.empty(2, 64, device="meta")
     assert not experts_in_one_launch((payload,), meta, FUSED_EXPERT_ROWS + 1)
     assert not experts_in_one_launch((payload,), meta, 0)
@@ -86,13 +86,17 @@ def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
     import dataclasses
 
     monkeypatch.setattr("qlens.kernels.experts.kernel_device_problem", lambda device: None)
-    from qlens.modules.dispatch import experts_in_one_launch
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan, experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     meta = torch.empty(2, 64, device="meta")
     assert experts_in_one_launch((payload,), meta, 2)
     foreign = dataclasses.replace(payload, layout={"packing": "gptq"})  # not the qlens packing
     assert not experts_in_one_launch((payload, foreign), meta, 2)
+    plan = ExpertsPlan(payload, meta.device)  # what the modules ask, once per payload
+    assert plan.one_launch(2) and plan.one_launch(FUSED_EXPERT_ROWS)
+    assert not plan.one_launch(0) and not plan.one_launch(FUSED_EXPERT_ROWS + 1)
+    assert not ExpertsPlan(foreign, meta.device).one_launch(2)
 
 
 def test_select_expert_views_one_expert() -> None:

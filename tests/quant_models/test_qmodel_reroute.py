@@ -190,12 +190,12 @@ def test_gpt_oss_mxfp4_experts_run_through_qlens() -> None:
 def test_rerouted_experts_in_one_launch_match_without_a_host_check(monkeypatch) -> None:
     """The one-launch experts path of a rerouted module (forced here: the interpreter runs the
     kernels on CPU tensors) matches the reference and reads no expert ids on the host."""
-    import qlens.modules.dispatch as dispatch_module
+    from qlens.kernels.experts import ExpertsPlan
 
     model, reference = _mxfp4_gpt_oss()
     reroute_quantized_modules(model)
     ids = input_ids()[:, :4]  # 4 tokens x top-k routes: few rows, one launch per projection
-    monkeypatch.setattr(dispatch_module, "experts_in_one_launch", lambda *a: True)
+    monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
     monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits
