@@ -178,7 +178,9 @@ def experts_linear(
         b = None if bias is None else bias.contiguous()
         return experts_gemv(x.contiguous(), w, rows, b, config)
     grouped = (
-        stacked_experts(payload, expert_ids) if x.shape[0] > FUSED_EXPERT_ROWS and not w8a8 else None
+        stacked_experts(payload, expert_ids)
+        if x.shape[0] > FUSED_EXPERT_ROWS and not w8a8
+        else None
     )
     if grouped is not None:
         w, rows = grouped
