@@ -27,7 +27,7 @@ from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, ExpertRows, permute_codes, word_view
 from qlens.kernels.launch import kernel_args, on_device
 from qlens.kernels.packed_gemv import _dot_tile
-from qlens.kernels.runtime import interpreting
+from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
@@ -125,6 +125,26 @@ def expert_row_bounds(
     return order, torch.searchsorted(sorted_ids, wanted, out_int32=True)
 
 
+def check_grouped_inputs(x: Tensor, w: KernelWeight, num_experts: int, bias: Tensor | None) -> None:
+    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts."""
+    require_kernel_device(x.device)
+    if x.dtype not in _TL_DTYPES:
+        raise ValueError(
+            f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, got "
+            f"{x.dtype}; cast the input first"
+        )
+    if w.data.device != x.device:
+        raise ValueError(
+            f"input is on {x.device} but the quantized experts are on {w.data.device}; move one "
+            "of them (payload.to(device))"
+        )
+    if bias is not None and (bias.shape != (num_experts, w.n) or bias.device != x.device):
+        raise ValueError(
+            f"bias must have shape [{num_experts}, {w.n}] on {x.device}, got "
+            f"{list(bias.shape)} on {bias.device}"
+        )
+
+
 def grouped_experts_linear(
     x: Float[Tensor, "rows k"],
     w: KernelWeight,
@@ -145,6 +165,7 @@ def grouped_experts_linear(
             f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
             f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
         )
+    check_grouped_inputs(x, w, num_experts, bias)
     rows, k = x.shape
     cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n)
     out = torch.empty((rows, w.n), dtype=x.dtype, device=x.device)

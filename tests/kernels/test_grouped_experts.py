@@ -180,3 +180,16 @@ def test_grouped_experts_refuse_rows_outside_whole_words():
     rows = ExpertRows(ids=torch.zeros(70, dtype=torch.int32), words=0, scales=0, global_scale=0)
     with pytest.raises(ValueError, match="whole int32 words, got int4 with 45 bytes a row"):
         grouped_experts_linear(torch.randn(70, 90), view, rows, 3, None)
+
+
+def test_grouped_experts_reject_bad_inputs(monkeypatch):
+    payload = quantize_weight(torch.randn(3, 16, 64), "int4", group_size=32)
+    ids = torch.randint(0, 3, (70,))
+    x = torch.randn(70, 64)
+    with pytest.raises(ValueError, match=r"activations, got torch.float64; cast the input first"):
+        experts_linear(x.double(), payload, ids, ids_in_range=True)
+    with pytest.raises(ValueError, match=r"bias must have shape \[3, 16\] on cpu, got \[2, 16\]"):
+        experts_linear(x, payload, ids, torch.randn(2, 16), ids_in_range=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="Triton kernels need a CUDA device"):
+        experts_linear(x, payload, ids, ids_in_range=True)
