@@ -3,11 +3,12 @@ without CUDA): 64 experts, hidden 2048, moe_intermediate 768, 1024 tokens routed
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from kernel_cases import rel_err, scheme_id
+from kernel_cases import count_grouped_launches, rel_err, scheme_id
 
-import qlens.kernels.grouped_experts as grouped_module
 from qlens.kernels import experts_linear
 from qlens.kernels.runtime import interpreting
 from qlens.quant.dequantize import dequantize
@@ -55,18 +56,16 @@ def _reference(x: torch.Tensor, payload, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
 def test_grouped_experts_at_prefill_shapes_on_gpu(case, monkeypatch):
-    """Both projections of every (token, route) row in one launch each, against float64."""
-    launches = []
-    real = grouped_module.GROUPED_EXPERTS.launch
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda *a, **kw: launches.append(a[0]) or real(*a, **kw),
-    )
+    """Both projections of every (token, route) row in one launch each, against float64
+    (NVFP4's gate_up with one global scale per expert, its down with one for all)."""
+    launches = count_grouped_launches(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     ids = _routes(gen)
     for n, k in ((2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)):
         payload = _payload(n, k, case, gen)
+        if case[0] == "nvfp4" and n > k:  # gate_up: one global scale per expert (modelopt)
+            scaled = payload.global_scale * torch.linspace(0.5, 2, EXPERTS, device="cuda")
+            payload = replace(payload, global_scale=scaled)
         bias = (torch.randn(EXPERTS, n, generator=gen) * 0.1).cuda().to(torch.bfloat16)
         x = torch.randn(TOKENS * TOP_K, k, generator=gen).cuda().to(torch.bfloat16)
         out = experts_linear(x, payload, ids, bias, ids_in_range=True)
@@ -110,13 +109,7 @@ def test_quant_experts_prefill_matches_the_expert_loop_on_gpu(monkeypatch):
     hidden = torch.randn(TOKENS, HIDDEN, generator=gen).cuda().to(torch.bfloat16)
     logits = torch.randn(TOKENS, EXPERTS, generator=gen).cuda()
     weights, index = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
-    launches = []
-    real = grouped_module.GROUPED_EXPERTS.launch
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda *a, **kw: launches.append(a[0]) or real(*a, **kw),
-    )
+    launches = count_grouped_launches(monkeypatch)
     with torch.no_grad():
         grouped = experts(hidden, index, weights.to(torch.bfloat16))
         assert len(launches) == 2

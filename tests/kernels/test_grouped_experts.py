@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_cases import rel_err
+from kernel_cases import count_grouped_launches, rel_err
 
 import qlens.kernels.grouped_experts as grouped_module
 from qlens.kernels import experts_linear
@@ -66,13 +66,7 @@ def _routes(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
 def test_grouped_experts_match_the_per_token_reference(scheme, monkeypatch):
     """More than FUSED_EXPERT_ROWS rows take one grouped launch per call and match the float64
     reference for every routing, with and without bias, in float32 and bf16."""
-    launches = []
-    real = grouped_module.GROUPED_EXPERTS.launch
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda *a, **kw: launches.append(a[0]) or real(*a, **kw),
-    )
+    launches = count_grouped_launches(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     calls = 0
     for label, (ids, experts) in _routes(gen).items():
