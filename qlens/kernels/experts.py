@@ -11,7 +11,6 @@ from torch import Tensor
 
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
-from qlens.kernels.grouped_experts import grouped_experts_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import (
     KernelWeight,
@@ -183,6 +182,8 @@ def experts_linear(
         else None
     )
     if grouped is not None:
+        from qlens.kernels.grouped_experts import grouped_experts_linear
+
         w, rows = grouped
         b = None if bias is None else bias.contiguous()
         return grouped_experts_linear(x.contiguous(), w, rows, experts, b)
