@@ -13,9 +13,11 @@ this times, eagerly (CUDA events around each call, median of 10 after 3 warm-up 
   ``batched_mm``), and the ratio of qlens grouped to the fastest of them.
 
 Each qlens result is checked against the float32 block on the dequantized weights.
+``--sweep`` adds a table of the grouped launch alone on each projection of the 64-expert block
+under a few tile configurations (the default one first), for tuning ``grouped_config``.
 
-Run on a CUDA GPU: ``python benchmarks/moe_prefill.py`` (``--tokens N``, ``--schemes int4,nvfp4``);
-prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_h200.md``.
+Run on a CUDA GPU: ``python benchmarks/moe_prefill.py`` (``--tokens N``, ``--schemes int4,nvfp4``,
+``--sweep``); prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_h200.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from _timing import LAUNCH_ERRORS, PACKED_4BIT_SCHEMES, header, publish, rel_err
 from _timing import time_eager as _time_eager
 
 import qlens.modules.dispatch as dispatch_module
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.experts import stacked_experts
+from qlens.kernels.grouped_experts import grouped_config, grouped_experts_linear
 from qlens.modules import QuantExperts
 from qlens.modules.hf_experts import expert_gate_of
 from qlens.quant.dequantize import dequantize
@@ -39,6 +44,15 @@ from qlens.quant.quantize import quantize_weight
 BLOCKS = (("Qwen3-30B-A3B-like, 64 experts", 64), ("Qwen3-30B-A3B, 128 experts", 128))
 HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8
 BF16_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+# (block_m, block_n, block_k, num_warps, num_stages) of the grouped launch, for --sweep.
+SWEEP = (
+    (32, 64, 256, 4, 3),
+    (64, 128, 256, 8, 3),
+    (64, 128, 128, 4, 3),
+    (64, 64, 128, 4, 4),
+    (128, 64, 256, 8, 3),
+    (128, 128, 128, 8, 3),
+)
 TIMING = "eager calls, CUDA events around each, median of 10 after 3 warm-up calls"
 
 
@@ -134,10 +148,50 @@ def block_rows(label: str, num_experts: int, tokens: int, schemes, gen) -> list[
     return rows
 
 
+def time_configs(x, view, num_experts: int, configs: list[LinearConfig]) -> list[float]:
+    """Microseconds of the grouped launch on ``x`` under each configuration."""
+    w, experts = view
+    return [
+        time_eager(lambda cfg=cfg: grouped_experts_linear(x, w, experts, num_experts, None, cfg))
+        for cfg in configs
+    ]
+
+
+def sweep_rows(num_experts: int, tokens: int, schemes, gen) -> list[str]:
+    """The grouped launch alone on both projections of a block, per tile configuration."""
+    logits = torch.randn(tokens, num_experts, generator=gen).cuda()
+    ids = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
+    rows = []
+    for projection, n, k in (("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)):
+        weight = torch.randn(num_experts, n, k, generator=gen).cuda() * 0.02
+        x = torch.randn(ids.numel(), k, generator=gen).cuda().to(torch.bfloat16)
+        configs = [grouped_config(ids.numel(), num_experts, n)] + [
+            LinearConfig("gemm", bm, bn, bk, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in SWEEP
+        ]
+        for scheme, options in select_schemes(PACKED_4BIT_SCHEMES, schemes):
+            view = stacked_experts(quantize_weight(weight, scheme, **options), ids)
+            if view is None:
+                raise RuntimeError(f"{scheme}: the grouped GEMM cannot read these experts")
+            cells = time_configs(x, view, num_experts, configs)
+            rows.append(
+                f"| {projection} ({num_experts} x {n} x {k}) | {scheme} | "
+                + " | ".join(f"{t:.0f}" for t in cells)
+                + " |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _config_label(cfg: LinearConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--schemes", help="comma-separated subset of int4,mxfp4,nvfp4")
+    parser.add_argument("--sweep", action="store_true", help="also time grouped launch tiles")
     args = parser.parse_args()
     out = [
         header(f"qlens MoE prefill: routed 4-bit experts of {args.tokens} tokens", TIMING),
@@ -153,6 +207,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for label, num_experts in BLOCKS:
         out += block_rows(label, num_experts, args.tokens, args.schemes, gen)
+    if args.sweep:
+        default = grouped_config(args.tokens * TOP_K, BLOCKS[0][1], HIDDEN)
+        labels = [f"default {_config_label(default)}"] + [
+            _config_label(LinearConfig("gemm", bm, bn, bk, num_warps=w, num_stages=st))
+            for bm, bn, bk, w, st in SWEEP
+        ]
+        out += [
+            "",
+            "Grouped launch alone (us; block_m x block_n x block_k, warps, stages):",
+            "",
+            "| projection | scheme | " + " | ".join(labels) + " |",
+            "|---|---|" + "---|" * len(labels),
+        ]
+        out += sweep_rows(BLOCKS[0][1], args.tokens, args.schemes, gen)
     publish("\n".join(out), "moe_prefill_h200.md")
 
 
