@@ -221,3 +221,19 @@ def test_random_routings_and_shapes_match_reference(
         assert bool((out == 0).all())
     else:
         assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+def test_rows_of_ids_out_of_range_do_not_disturb_the_others():
+    """With ``ids_in_range=True`` the caller vouches for the ids; rows of other ids sort before
+    or after every expert's rows, so no tile reads them and the other rows stay exact."""
+    gen = torch.Generator().manual_seed(4)
+    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), "mxfp4")
+    ids = torch.randint(0, 4, (80,), generator=gen)
+    outside = torch.tensor([0, 7, 33, 79])
+    ids[outside] = torch.tensor([-1, 4, 9, -3])
+    x = torch.randn(80, 64, generator=gen)
+    out = experts_linear(x, payload, ids, ids_in_range=True)
+    inside = torch.ones(80, dtype=torch.bool)
+    inside[outside] = False
+    ref = _reference(x[inside], payload, ids[inside], None)
+    assert rel_err(out[inside], ref) < TOLERANCE[torch.float32]
