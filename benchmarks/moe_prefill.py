@@ -46,12 +46,12 @@ HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8
 BF16_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 # (block_m, block_n, block_k, num_warps, num_stages) of the grouped launch, for --sweep.
 SWEEP = (
-    (32, 64, 256, 4, 3),
-    (64, 128, 256, 8, 3),
-    (64, 128, 128, 4, 3),
-    (64, 64, 128, 4, 4),
-    (128, 64, 256, 8, 3),
-    (128, 128, 128, 8, 3),
+    (64, 64, 256, 4, 3),
+    (64, 64, 128, 4, 3),
+    (64, 64, 128, 8, 4),
+    (64, 128, 128, 8, 3),
+    (128, 64, 128, 8, 3),
+    (32, 64, 128, 8, 3),
 )
 TIMING = "eager calls, CUDA events around each, median of 10 after 3 warm-up calls"
 

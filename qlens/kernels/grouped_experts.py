@@ -106,13 +106,16 @@ GROUPED_EXPERTS = FastLaunch(_grouped_experts_kernel)
 
 def grouped_config(rows: int, experts: int, n: int) -> LinearConfig:
     """Tiles of the grouped launch: ``BLOCK_M`` near the mean rows per expert (16 to 64, so
-    few rows are padding), 64 columns, 256-element K steps (the packed GEMV's tensor-core tiles
-    on the H200); the interpreter takes 128-element K steps and at most 64 columns."""
+    few rows are padding), 64 columns, 128-element K steps pipelined 3 deep on 8 warps. Chosen
+    by registers, not yet by time: compiled for sm_90 (Triton 3.9) these launches spill
+    nothing for any family, while 256-element K steps at 64 rows spilled 400-750 bytes a
+    thread on 4 warps and 100-150 on 8 (``test_grouped_experts_sm90.py``). The interpreter
+    takes at most 64 columns."""
     block_m = min(64, max(16, 1 << max(ceil_div(rows, experts) - 1, 0).bit_length()))
     if interpreting():
         block_n = min(64, max(16, 1 << max(n - 1, 0).bit_length()))
         return LinearConfig("gemm", block_m, block_n, 128, num_warps=4, num_stages=1)
-    return LinearConfig("gemm", block_m, 64, 256, num_warps=4, num_stages=3)
+    return LinearConfig("gemm", block_m, 64, 128, num_warps=8, num_stages=3)
 
 
 def expert_row_bounds(
