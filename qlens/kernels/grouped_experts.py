@@ -70,7 +70,12 @@ def _grouped_experts_kernel(
     first sorted row; the expert's words, scales (and zero points), global scale and bias lie
     ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
     """
-    expert, first, end = _tile_rows(bounds_ptr, tl.program_id(1), E, EXPERTS, BLOCK_M)
+    # One grid axis (no 65535 limit on the tiles): the column tiles of one row tile run next to
+    # each other, so each tile's rows of x are read from memory once.
+    column_tiles = tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % column_tiles
+    expert, first, end = _tile_rows(bounds_ptr, tl.program_id(0) // column_tiles, E, EXPERTS,
+                                    BLOCK_M)  # fmt: skip
     if expert >= E:  # past the last tile
         return
     sorted_rows = first + tl.arange(0, BLOCK_M)
@@ -82,7 +87,7 @@ def _grouped_experts_kernel(
     zero_ptr += offset * stride_se
     global_ptr += offset * stride_ge
     bias_ptr += offset * N
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
@@ -184,7 +189,7 @@ def grouped_experts_linear(
     interpret = interpreting()
     with on_device(x.device):
         GROUPED_EXPERTS.launch(
-            (ceil_div(w.n, cfg.block_n), max_tiles), xp, words, scales, zeros, global_scale,
+            (ceil_div(w.n, cfg.block_n) * max_tiles,), xp, words, scales, zeros, global_scale,
             bias if bias is not None else x, out, order, bounds,
             rows, w.n, k, num_experts, xp.stride(0), xp.stride(1), words.stride(0),
             scales.stride(0), out.stride(0), experts.words, experts.scales, experts.global_scale,
