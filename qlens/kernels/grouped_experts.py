@@ -6,8 +6,8 @@ on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program compute
 ``BLOCK_N`` output columns. A program finds its tile's expert from the per-expert row bounds (a
 cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
 original positions, decodes its expert's packed 4-bit words with the word-wise GEMV's decode
-(``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one or one
-global scale per expert), multiplies on tensor cores and writes the rows back where they came
+(``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one global
+scale or one per expert), multiplies on tensor cores and writes the rows back where they came
 from. The grid is sized on the host without reading the ids: ``ceil(rows / BLOCK_M) + experts``
 tiles bound the real count, and programs past it return at once.
 """
