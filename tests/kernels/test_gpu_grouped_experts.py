@@ -117,3 +117,25 @@ def test_quant_experts_prefill_matches_the_expert_loop_on_gpu(monkeypatch):
         loop = experts(hidden, index, weights.to(torch.bfloat16))
     assert len(launches) == 2
     assert rel_err(grouped, loop) < 2 * BF16_TOLERANCE
+
+
+def test_grouped_experts_replay_in_a_cuda_graph_on_gpu():
+    """No host sync, so the grouped call captures into a CUDA graph; a replay on new routes and
+    activations (copied into the captured inputs) equals an eager call on them."""
+    gen = torch.Generator().manual_seed(3)
+    payload = _payload(HIDDEN, INTERMEDIATE, ("mxfp4", {}), gen)
+    ids = _routes(gen)
+    x = torch.randn(TOKENS * TOP_K, INTERMEDIATE, generator=gen).cuda().to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        experts_linear(x, payload, ids, ids_in_range=True)  # compile and allocate first
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts_linear(x, payload, ids, ids_in_range=True)
+    ids.copy_(_routes(gen))
+    x.copy_(torch.randn(x.shape, generator=gen).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, experts_linear(x, payload, ids, ids_in_range=True))
