@@ -34,7 +34,8 @@ from _timing import time_eager as _time_eager
 import qlens.modules.dispatch as dispatch_module
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.experts import stacked_experts
-from qlens.kernels.grouped_experts import grouped_config, grouped_experts_linear
+from qlens.kernels.gemv import permute_codes
+from qlens.kernels.grouped_experts import expert_row_bounds, grouped_config, grouped_experts_linear
 from qlens.modules import QuantExperts
 from qlens.modules.hf_experts import expert_gate_of
 from qlens.quant.dequantize import dequantize
@@ -149,12 +150,19 @@ def block_rows(label: str, num_experts: int, tokens: int, schemes, gen) -> list[
 
 
 def time_configs(x, view, num_experts: int, configs: list[LinearConfig]) -> list[float]:
-    """Microseconds of the grouped launch on ``x`` under each configuration."""
+    """Microseconds of the grouped call on ``x`` under each configuration, then of its work
+    besides the launch."""
     w, experts = view
     return [
         time_eager(lambda cfg=cfg: grouped_experts_linear(x, w, experts, num_experts, None, cfg))
         for cfg in configs
-    ]
+    ] + [time_eager(lambda: routing(x, experts.ids, num_experts))]
+
+
+def routing(x, ids, num_experts: int) -> None:
+    """The grouped call's work besides its launch: sorting the rows, regrouping ``x``."""
+    expert_row_bounds(ids, num_experts)
+    permute_codes(x, for_dot=True)
 
 
 def sweep_rows(num_experts: int, tokens: int, schemes, gen) -> list[str]:
@@ -215,10 +223,11 @@ def main() -> None:
         ]
         out += [
             "",
-            "Grouped launch alone (us; block_m x block_n x block_k, warps, stages):",
+            "Grouped calls alone (us; block_m x block_n x block_k, warps, stages), and the "
+            "part of each call besides its launch (sorting the rows, regrouping x):",
             "",
-            "| projection | scheme | " + " | ".join(labels) + " |",
-            "|---|---|" + "---|" * len(labels),
+            "| projection | scheme | " + " | ".join(labels) + " | sort and regroup |",
+            "|---|---|" + "---|" * (len(labels) + 1),
         ]
         out += sweep_rows(BLOCKS[0][1], args.tokens, args.schemes, gen)
     publish("\n".join(out), "moe_prefill_h200.md")
