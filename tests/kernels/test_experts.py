@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import rel_err
+from kernel_cases import count_grouped_launches, rel_err
 
 from qlens.kernels import dequantize_triton, experts_linear
 from qlens.quant.dequantize import dequantize
@@ -26,7 +26,7 @@ def _per_expert_global(payload):
     return replace(payload, global_scale=payload.global_scale * torch.linspace(0.5, 2, experts))
 
 
-@pytest.mark.parametrize("fused", (True, False), ids=("one-launch", "per-expert"))
+@pytest.mark.parametrize("fused", (True, False), ids=("one-launch", "grouped"))
 @pytest.mark.parametrize(
     "scheme", SCHEMES, ids=lambda s: s[0] + "".join(f"-{v}" for v in s[1].values())
 )
@@ -35,7 +35,8 @@ def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
     import qlens.kernels.gemv as gemv_module
 
     calls = []
-    monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)
+    grouped = count_grouped_launches(monkeypatch)
+    monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)  # 0: grouped
     real = gemv_module.experts_gemv
     monkeypatch.setattr(
         gemv_module, "experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
@@ -57,6 +58,7 @@ def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
             )
             assert rel_err(out, ref) < tol, (p.global_scale, dtype)
     assert len(calls) == (2 * len(payloads) if fused else 0)
+    assert len(grouped) == (0 if fused else 2 * len(payloads))
 
 
 def test_experts_outside_whole_words_run_one_by_one(monkeypatch):
