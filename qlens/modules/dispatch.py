@@ -30,10 +30,10 @@ def fused_experts_forward(
     (token, expert) pair, weighted and summed as ``route_to_experts`` does (ids outside
     ``[0, experts of first)`` skipped).
 
-    On an accelerator each projection runs in one launch (``experts_in_one_launch``: the
-    word-wise GEMV for few rows, the grouped GEMM for prefill) with no host sync: the routing
-    clamps the ids. Otherwise each hit expert runs its two linears (``qlens.kernels.linear`` on
-    the expert's kept payload view).
+    Where ``experts_in_one_launch`` allows, every row runs at once through ``experts_linear``
+    (for packed 4-bit experts one launch a projection: the word-wise GEMV for few rows, the
+    grouped GEMM for prefill) with no host sync: the routing clamps the ids. Otherwise each hit
+    expert runs its two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
     num_experts = num_experts_of(first)
     firsts, downs = expert_views(first), expert_views(down)
