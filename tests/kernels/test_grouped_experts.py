@@ -237,3 +237,26 @@ def test_rows_of_ids_out_of_range_do_not_disturb_the_others():
     inside[outside] = False
     ref = _reference(x[inside], payload, ids[inside], None)
     assert rel_err(out[inside], ref) < TOLERANCE[torch.float32]
+
+
+def test_the_experts_op_takes_the_grouped_launch(monkeypatch):
+    """``torch.ops.qlens.experts_linear`` (what a compiled forward calls) on prefill rows takes
+    the grouped launch where experts run at once (forced here: the interpreter stands in for the
+    accelerator), passes opcheck on that path and matches the reference."""
+    import qlens.kernels.experts as experts_module
+    from qlens.kernels import ops
+    from qlens.quant.payload_spec import PayloadSpec
+
+    launches = count_grouped_launches(monkeypatch)
+    monkeypatch.setattr(experts_module, "experts_in_one_launch", lambda *args: True)
+    gen = torch.Generator().manual_seed(5)
+    # mxfp4: opcheck's schema check cannot compare float8 tensors (nvfp4's scales)
+    payload = quantize_weight(torch.randn(3, 40, 64, generator=gen), "mxfp4")
+    tensors, key = list(payload.tensors().values()), PayloadSpec.of(payload).key
+    ids = torch.randint(0, 3, (70,), generator=gen)
+    x, bias = torch.randn(70, 64, generator=gen), torch.randn(3, 40, generator=gen)
+    out = torch.ops.qlens.experts_linear(x, ids, tensors, key, bias)
+    assert len(launches) == 1
+    assert rel_err(out, _reference(x, payload, ids, bias)) < TOLERANCE[torch.float32]
+    torch.library.opcheck(ops.experts_linear_op, (x, ids, tensors, key, bias))
+    assert len(launches) > 1
