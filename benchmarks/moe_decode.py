@@ -4,8 +4,8 @@ For each experts projection (``[experts, n, k]``, ``top_k`` experts routed for o
 times, as CUDA-graph replays over fresh routes and enough weight copies to exceed the L2 cache:
 
 - qlens one launch: ``experts_gemv``, each of the ``top_k`` rows reading its own expert;
-- qlens expert by expert: ``quantized_linear`` once per routed expert (the path for larger
-  batches, and the only one before the one-launch path existed);
+- qlens expert by expert: ``quantized_linear`` once per routed expert (the only path before
+  the one-launch path existed; larger batches now take the grouped GEMM, ``moe_prefill.py``);
 - bf16 expert by expert: ``F.linear`` per routed expert on bf16 weights, as an eager HF experts
   loop runs them.
 

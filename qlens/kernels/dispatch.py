@@ -47,7 +47,7 @@ def _weight_config(
     w: KernelWeight, m: int, device: torch.device, w8a8: bool, words: bool = True
 ) -> LinearConfig:
     """``default_config`` for the payload's launch view ``w``."""
-    from qlens.kernels.gemv import word_view
+    from qlens.kernels.packed_words import word_view
 
     packed_words = words and not w8a8 and word_view(w) is not None
     # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a thread

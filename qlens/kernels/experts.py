@@ -1,6 +1,9 @@
-"""Mixture-of-experts linears: one launch for few (token, expert) rows, else one per used expert."""
+"""Mixture-of-experts linears: one launch per call for packed 4-bit experts in whole words (a
+GEMV for few (token, expert) rows, the grouped GEMM beyond), else one launch per used expert."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Float, Integer
@@ -8,7 +11,7 @@ from torch import Tensor
 
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
-from qlens.kernels.gemv import ExpertRows, ExpertStrides, PackedGemv, word_view
+from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import (
     KernelWeight,
@@ -19,8 +22,13 @@ from qlens.kernels.weights import (
 from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
 
+if TYPE_CHECKING:
+    from qlens.kernels.gemv import PackedGemv
+
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
-# the word-wise GEMV (each row reads its own expert's weight); more rows run expert by expert.
+# the word-wise GEMV (each row reads its own expert's weight); more rows take one launch of the
+# grouped GEMM (``grouped_experts``: rows sorted by expert, tiles of an expert's rows on tensor
+# cores), which reads each expert's weight once per tile instead of once per row.
 FUSED_EXPERT_ROWS = 64
 
 
@@ -36,13 +44,27 @@ def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:
 
 def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: int) -> bool:
     """True when ``rows`` (token, expert) pairs of fused experts ``payloads`` ``[experts, out,
-    in]`` can run through :func:`experts_linear`'s one launch on ``x``'s accelerator: few enough
-    rows for its GEMV, and formats the kernels read."""
-    if x.device.type == "cpu" or not 0 < rows <= FUSED_EXPERT_ROWS:
+    in]`` can run all at once through :func:`experts_linear` on ``x``'s accelerator: up to
+    ``FUSED_EXPERT_ROWS`` rows of formats the kernels read (one GEMV launch for packed 4-bit
+    words, else one launch per used expert inside the call), more rows of packed 4-bit experts
+    in whole words (one grouped launch)."""
+    if x.device.type == "cpu" or rows <= 0:
         return False
     if kernel_device_problem(x.device) is not None:
         return False
-    return all(first_expert_view(p) is not None for p in payloads)
+    if rows <= FUSED_EXPERT_ROWS:
+        return all(first_expert_view(p) is not None for p in payloads)
+    return all(grouped_experts_read(p) for p in payloads)
+
+
+def grouped_experts_read(payload: QuantPayload) -> bool:
+    """Whether the grouped GEMM reads the ``[experts, out, in]`` payload: packed 4-bit experts
+    in whole int32 words, contiguous (kept on the payload, ``cached_on_payload``)."""
+    return cached_on_payload(
+        payload,
+        "grouped_experts_read",
+        lambda p: stacked_experts(p, torch.empty(0, dtype=torch.int32)) is not None,
+    )
 
 
 def rows_through_experts(
@@ -52,8 +74,8 @@ def rows_through_experts(
     bias: Float[Tensor, "experts n"] | None = None,
 ) -> Float[Tensor, "rows n"]:
     """``out[i] = x[i] @ W[expert_ids[i]].T + bias[expert_ids[i]]`` with ids in
-    ``[0, experts)``: one launch for few rows on an accelerator (``experts_in_one_launch``),
-    else each used expert through :func:`qlens.kernels.linear` on its rows."""
+    ``[0, experts)``: :func:`experts_linear` on an accelerator (``experts_in_one_launch``), else
+    each used expert through :func:`qlens.kernels.linear` on its rows."""
     if experts_in_one_launch((payload,), x, x.shape[0]):
         return experts_linear(x, payload, expert_ids, bias, ids_in_range=True)
     from qlens.kernels.plan import linear
@@ -142,7 +164,11 @@ class ExpertsPlan:
         self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv] = {}
 
     def one_launch(self, rows: int) -> bool:
-        return self._accelerated and 0 < rows <= FUSED_EXPERT_ROWS
+        """Few rows through the word-wise GEMV, more through the grouped GEMM (packed 4-bit
+        experts in whole words only)."""
+        if not self._accelerated or rows <= 0:
+            return False
+        return rows <= FUSED_EXPERT_ROWS or self.stacked is not None
 
     def rows(
         self,
@@ -161,6 +187,8 @@ class ExpertsPlan:
         return call(x, bias, expert_ids)
 
     def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv:
+        from qlens.kernels.gemv import PackedGemv  # Triton: imported once a launch is prepared
+
         assert self.stacked is not None
         w, strides = self.stacked
         words = word_view(w)
@@ -188,14 +216,17 @@ def experts_linear(
 ) -> Float[Tensor, "t n"]:
     """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]`` for an experts payload.
 
-    Up to ``FUSED_EXPERT_ROWS`` rows of packed 4-bit experts in whole int32 words take one
-    launch of the word-wise GEMV, each row reading its own expert's weight (decode). Otherwise
-    tokens are sorted by expert and each used expert runs ``quantized_linear`` once on its
-    tokens (one launch per used expert; the dispatcher picks each launch's path by its count).
+    Packed 4-bit experts in whole int32 words (int4, MXFP4, NVFP4) run in one launch: up to
+    ``FUSED_EXPERT_ROWS`` rows through the word-wise GEMV, each row reading its own expert's
+    weight (decode), more rows through the grouped GEMM (``grouped_experts_linear``: rows
+    sorted by expert on the device, each expert's tiles on tensor cores; prefill). Other
+    formats (fp8-block, MXFP8, int8, rows not in whole words) and ``w8a8`` sort the tokens by
+    expert on the host and run ``quantized_linear`` once per used expert on its tokens (the
+    dispatcher picks each launch's path by its count).
 
     The ids' range is checked on the host (one device sync) unless ``ids_in_range``: a caller
     whose ids lie in ``[0, experts)`` by construction (the modules' routing clamps them) passes
-    it to keep the one-launch path free of host syncs.
+    it to keep the one-launch paths free of host syncs.
     """
     experts, n, k = (int(s) for s in payload.shape)
     if x.dim() != 2 or x.shape[1] != k:
@@ -213,6 +244,17 @@ def experts_linear(
         plan = experts_plan_for(payload, x.device)
         if plan.stacked is not None:
             return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
+    grouped = (
+        stacked_experts(payload, expert_ids)
+        if x.shape[0] > FUSED_EXPERT_ROWS and not w8a8
+        else None
+    )
+    if grouped is not None:
+        from qlens.kernels.grouped_experts import grouped_experts_linear  # Triton, on first use
+
+        w, rows = grouped
+        b = None if bias is None else bias.contiguous()
+        return grouped_experts_linear(x.contiguous(), w, rows, experts, b)
     out = x.new_empty((x.shape[0], n))
     views = expert_views(payload)
     order = torch.argsort(expert_ids, stable=True)

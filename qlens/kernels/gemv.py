@@ -10,7 +10,7 @@ the strip from L2, not memory, and the product is reduced along K once at the en
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import no_type_check
 
 import torch
@@ -24,6 +24,7 @@ from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import kernel_args, kernel_constants
 from qlens.kernels.packed_gemv import packed_gemv_kernel
+from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import reduce_splits, store_tile
 from qlens.kernels.weight_only import weight_only_linear
@@ -82,16 +83,6 @@ def _gemv_kernel(
 _GEMV = FastLaunch(_gemv_kernel)
 
 
-def word_view(w: KernelWeight) -> Tensor | None:
-    """The packed 4-bit data as int32 words ``[n, width / 4]``, or ``None`` when rows are not
-    whole, 16-byte aligned words (then the byte-wise kernel serves the weight).
-    """
-    data = w.data
-    if not w.packed or data.shape[1] % 4 or data.data_ptr() % 16:
-        return None
-    return data.view(torch.int32)
-
-
 # Up to this many rows the packed GEMV multiplies in FMAs; more rows go to tensor-core dots,
 # whose cost does not grow with the rows. An [M, N, words] FMA product for 2-4 rows ran at
 # 0.06-0.07x bf16 on the H200 (6144 x 4096 int4, 4 rows: 604.8 us, gemv_registers_h200.md).
@@ -119,23 +110,6 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
     if for_dot or x.dtype == torch.float32:
         return grouped.contiguous()  # one copy, no separate allocation call
     return grouped.to(torch.float32, memory_format=torch.contiguous_format)
-
-
-@dataclass(frozen=True)
-class ExpertStrides:
-    """Experts stacked as consecutive blocks of rows: one expert's words, scales and global
-    scale lie ``words``, ``scales`` and ``global_scale`` elements apart (0: shared)."""
-
-    words: int
-    scales: int
-    global_scale: int
-
-
-@dataclass(frozen=True)
-class ExpertRows(ExpertStrides):
-    """Row ``m`` of ``x`` multiplies expert ``ids[m]`` of experts stacked at these strides."""
-
-    ids: Tensor
 
 
 class PackedGemv:

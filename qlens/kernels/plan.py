@@ -20,9 +20,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig
-from qlens.kernels.dequant import dequantize_triton, has_dequantize_kernel
 from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
-from qlens.kernels.gemv import prepared_gemv
 from qlens.kernels.reference import reference_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
@@ -44,6 +42,8 @@ def choose_route(payload: QuantPayload, device: torch.device) -> tuple[Route, st
     if problem is None:
         if unsupported_reason(payload) is None:
             return "kernel", None
+        from qlens.kernels.dequant import has_dequantize_kernel  # Triton: when routes are chosen
+
         if has_dequantize_kernel(payload):
             return "dequantize", None
     return "reference", problem or unsupported_reason(payload) or "unsupported"
@@ -123,6 +123,8 @@ class LinearPlan:
         config = self.config(m)
         call: LaunchCall
         if config.path == "gemv":
+            from qlens.kernels.gemv import prepared_gemv  # Triton: once a launch is prepared
+
             call = prepared_gemv(w, m, dtype, not no_bias, config)
         else:
             call = functools.partial(_launch_on, w, config)
@@ -132,6 +134,8 @@ class LinearPlan:
         return call
 
     def _dequantize(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        from qlens.kernels.dequant import dequantize_triton  # decodes the whole weight a call
+
         if self._values_checked:
             weight = dequantize_triton(self.payload, x.dtype, check_values=False)
         else:

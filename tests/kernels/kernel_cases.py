@@ -43,3 +43,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out64, ref64 = out.double(), ref.double()
     err = ((out64 - ref64).norm() / ref64.norm()).item()
     return err if err == err else float("inf")
+
+
+def count_grouped_launches(monkeypatch) -> list:
+    """The grids of the grouped experts GEMM's launches from now on (each launch still runs)."""
+    import qlens.kernels.grouped_experts as grouped_module
+
+    grids: list = []
+    real = grouped_module.GROUPED_EXPERTS.launch
+    monkeypatch.setattr(
+        grouped_module.GROUPED_EXPERTS,
+        "launch",
+        lambda grid, *args, **kwargs: grids.append(grid) or real(grid, *args, **kwargs),
+    )
+    return grids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import rel_err
+from kernel_cases import count_grouped_launches, rel_err
 
 from qlens.kernels import dequantize_triton, experts_linear
 from qlens.quant.dequantize import dequantize
@@ -26,18 +26,20 @@ def _per_expert_global(payload):
     return replace(payload, global_scale=payload.global_scale * torch.linspace(0.5, 2, experts))
 
 
-@pytest.mark.parametrize("fused", (True, False), ids=("one-launch", "per-expert"))
+@pytest.mark.parametrize("fused", (True, False), ids=("one-launch", "grouped"))
 @pytest.mark.parametrize(
     "scheme", SCHEMES, ids=lambda s: s[0] + "".join(f"-{v}" for v in s[1].values())
 )
 def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
     import qlens.kernels.experts as experts_module
+    import qlens.kernels.gemv as gemv_module
 
     calls = []
-    monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)
-    real = experts_module.PackedGemv  # prepared once per (payload, dtype) for the one launch
+    grouped = count_grouped_launches(monkeypatch)
+    monkeypatch.setattr(experts_module, "FUSED_EXPERT_ROWS", 64 if fused else 0)  # 0: grouped
+    real = gemv_module.PackedGemv  # prepared once per (payload, dtype) for the one launch
     monkeypatch.setattr(
-        experts_module, "PackedGemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        gemv_module, "PackedGemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     gen = torch.Generator().manual_seed(0)
     name, kwargs = scheme
@@ -56,12 +58,13 @@ def test_experts_linear_matches_per_token_reference(scheme, fused, monkeypatch):
             )
             assert rel_err(out, ref) < tol, (p.global_scale, dtype)
     assert len(calls) == (2 * len(payloads) if fused else 0)
+    assert len(grouped) == (0 if fused else 2 * len(payloads))
 
 
 def test_experts_outside_whole_words_run_one_by_one(monkeypatch):
-    import qlens.kernels.experts as experts_module
+    import qlens.kernels.gemv as gemv_module
 
-    monkeypatch.setattr(experts_module, "PackedGemv", None)  # must not be reached
+    monkeypatch.setattr(gemv_module, "PackedGemv", None)  # must not be reached
     payload = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
     x, ids = torch.randn(4, 90), torch.tensor([2, 0, 2, 1])
     ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(payload, torch.float64)[ids])

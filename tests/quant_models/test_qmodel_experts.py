@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import make_model
+from tiny_models import input_ids, make_model
 
 from qlens.modules import ExpertGate, QuantExperts
 from qlens.modules.model_quantize import quantize
@@ -71,15 +71,31 @@ def test_one_launch_routing_matches_the_expert_loop(family: str, scheme: str, mo
     torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4)
 
 
-def test_one_launch_routing_needs_an_accelerator_and_few_rows() -> None:
+def test_one_launch_routing_needs_an_accelerator_and_rows() -> None:
     from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan, experts_in_one_launch
 
     payload = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     assert not experts_in_one_launch((payload,), torch.randn(2, 64), 2)  # CPU: reference path
     assert not ExpertsPlan(payload, torch.device("cpu")).one_launch(2)
     meta = torch.empty(2, 64, device="meta")
-    assert not experts_in_one_launch((payload,), meta, FUSED_EXPERT_ROWS + 1)
+    assert not experts_in_one_launch((payload,), meta, FUSED_EXPERT_ROWS + 1)  # no kernels
     assert not experts_in_one_launch((payload,), meta, 0)
+
+
+def test_prefill_in_one_launch_needs_packed_words(monkeypatch) -> None:
+    """Beyond FUSED_EXPERT_ROWS rows only packed 4-bit experts in whole words run all at once
+    (the grouped GEMM); other formats the kernels read keep the expert loop."""
+    monkeypatch.setattr("qlens.kernels.experts.kernel_device_problem", lambda device: None)
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, experts_in_one_launch
+
+    meta = torch.empty(2, 64, device="meta")
+    packed = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
+    fp8 = quantize_weight(torch.randn(3, 32, 64), "fp8-block", block_size=(16, 32))
+    odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
+    assert experts_in_one_launch((packed,), meta, FUSED_EXPERT_ROWS + 1)
+    assert experts_in_one_launch((packed, fp8, odd), meta, FUSED_EXPERT_ROWS)
+    assert not experts_in_one_launch((packed, fp8), meta, FUSED_EXPERT_ROWS + 1)
+    assert not experts_in_one_launch((odd,), meta, FUSED_EXPERT_ROWS + 1)
 
 
 def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
@@ -95,8 +111,13 @@ def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
     assert not experts_in_one_launch((payload, foreign), meta, 2)
     plan = ExpertsPlan(payload, meta.device)  # what the modules ask, once per payload
     assert plan.one_launch(2) and plan.one_launch(FUSED_EXPERT_ROWS)
-    assert not plan.one_launch(0) and not plan.one_launch(FUSED_EXPERT_ROWS + 1)
+    assert plan.one_launch(FUSED_EXPERT_ROWS + 1)  # prefill: the grouped GEMM
+    assert not plan.one_launch(0)
     assert not ExpertsPlan(foreign, meta.device).one_launch(2)
+    odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
+    odd_plan = ExpertsPlan(odd, meta.device)  # the GEMV reads it byte-wise, the grouped GEMM not
+    assert odd_plan.one_launch(FUSED_EXPERT_ROWS) == experts_in_one_launch((odd,), meta, 2)
+    assert not odd_plan.one_launch(FUSED_EXPERT_ROWS + 1)
 
 
 def test_select_expert_views_one_expert() -> None:
@@ -138,3 +159,38 @@ def test_payloads_are_exposed_and_float_weights_are_not() -> None:
     with pytest.raises(AttributeError, match=r"not a float gate_up_proj.*qlens\.dequantize"):
         _ = experts.gate_up_proj
     assert "format=mxfp8" in repr(experts) and "gate=stacked/silu" in repr(experts)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "mxfp4", "nvfp4"])
+def test_prefill_routes_through_grouped_launches(scheme: str, monkeypatch) -> None:
+    """A prefill of a quantized Qwen3-MoE whose (token, route) rows exceed FUSED_EXPERT_ROWS
+    runs each experts projection in one grouped launch (forced here: the interpreter runs the
+    kernels on CPU tensors), no expert loop and no host check of the ids; its logits match the
+    reference route (each expert dequantized and multiplied by torch) to float32 rounding."""
+    import qlens.kernels.experts as experts_module
+    import qlens.kernels.grouped_experts as grouped_module
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS
+
+    model = quantize(make_model("qwen3_moe"), scheme)
+    ids = input_ids(seq=20, batch=2)  # 40 tokens x top-2: 80 rows
+    with torch.no_grad():
+        expected = model(ids).logits
+    rows, launches = [], []
+    real = grouped_module.GROUPED_EXPERTS.launch
+    monkeypatch.setattr(
+        experts_module.ExpertsPlan, "one_launch", lambda plan, n: rows.append(n) or True
+    )
+    monkeypatch.setattr(
+        grouped_module.GROUPED_EXPERTS,
+        "launch",
+        lambda *a, **kw: launches.append(a[0]) or real(*a, **kw),
+    )
+    monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
+    monkeypatch.setattr(experts_module, "quantized_linear", None)  # nor an expert loop
+    with torch.no_grad():
+        got = model(ids).logits
+    assert rows == [80, 80] and rows[0] > FUSED_EXPERT_ROWS  # asked of gate_up's and down's plans
+    assert len(launches) == 2  # gate_up and down of the one MoE layer
+    # Both routes decode the same weights exactly; only float32 summation orders differ
+    # (logits near 1: differences near 1e-7).
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)

@@ -1,0 +1,204 @@
+"""Routed experts in one grouped launch: every (token, expert) row of every expert at once.
+
+Rows are sorted by expert on the device (a stable ``torch.sort``) and each expert's first sorted
+row found with ``torch.searchsorted`` (``torch.bincount`` reads the ids' maximum on the host
+on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program computes one tile's
+``BLOCK_N`` output columns. A program finds its tile's expert from the per-expert row bounds (a
+cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
+original positions, decodes its expert's packed 4-bit words with the word-wise GEMV's decode
+(``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one global
+scale or one per expert), multiplies on tensor cores and writes the rows back where they came
+from. The grid is sized on the host without reading the ids: ``ceil(rows / BLOCK_M) + experts``
+tiles bound the real count, and programs past it return at once.
+"""
+
+from __future__ import annotations
+
+from typing import no_type_check
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float, Integer
+from torch import Tensor
+
+from qlens.kernels.configs import LinearConfig
+from qlens.kernels.fast_launch import FastLaunch
+from qlens.kernels.gemv import _TL_DTYPES, permute_codes
+from qlens.kernels.launch import kernel_args, on_device
+from qlens.kernels.packed_gemv import _dot_tile
+from qlens.kernels.packed_words import ExpertRows, word_view
+from qlens.kernels.runtime import interpreting, require_kernel_device
+from qlens.kernels.splits import store_tile
+from qlens.kernels.weights import KernelWeight
+from qlens.quant.codecs.checks import ceil_div
+
+
+@triton.jit
+@no_type_check
+def _tile_rows(bounds_ptr, tile, E, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(expert, first, end)`` of M tile ``tile``: its expert and its sorted rows ``[first,
+    end)``; the expert is ``E`` or more past the last tile. ``bounds[e]`` is expert ``e``'s first
+    sorted row (``bounds[E]``: all rows); experts' tiles follow each other in expert order."""
+    e = tl.arange(0, EXPERTS)
+    real = e < E
+    starts = tl.load(bounds_ptr + e, mask=real, other=0)
+    ends = tl.load(bounds_ptr + e + 1, mask=real, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles_through = tl.cumsum(tiles, 0)
+    expert = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    this = e == expert
+    first_tile = tl.sum(tl.where(this, tiles_through - tiles, 0), 0)
+    first = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+    return expert, first, tl.sum(tl.where(this, ends, 0), 0)
+
+
+@triton.jit
+@no_type_check
+def _grouped_experts_kernel(
+    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, order_ptr, bounds_ptr,
+    M, N, K, E, stride_xm, stride_xj, stride_w, stride_s, stride_om,
+    stride_we, stride_se, stride_ge,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MASK_N: tl.constexpr, EXPERTS: tl.constexpr, X_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One program: ``BLOCK_N`` columns of one tile of ``BLOCK_M`` rows of one expert.
+
+    ``order`` holds the rows sorted by expert (original positions), ``bounds`` each expert's
+    first sorted row; the expert's words, scales (and zero points), global scale and bias lie
+    ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
+    """
+    # One grid axis (no 65535 limit on the tiles): the column tiles of one row tile run next to
+    # each other, so each tile's rows of x are read from memory once.
+    column_tiles = tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % column_tiles
+    expert, first, end = _tile_rows(bounds_ptr, tl.program_id(0) // column_tiles, E, EXPERTS,
+                                    BLOCK_M)  # fmt: skip
+    if expert >= E:  # past the last tile
+        return
+    sorted_rows = first + tl.arange(0, BLOCK_M)
+    # Rows past the tile's end read as M: masked off by every load and store below.
+    offs_m = tl.load(order_ptr + sorted_rows, mask=sorted_rows < end, other=M).to(tl.int64)
+    offset = expert.to(tl.int64)
+    words_ptr += offset * stride_we
+    scale_ptr += offset * stride_se
+    zero_ptr += offset * stride_se
+    global_ptr += offset * stride_ge
+    bias_ptr += offset * N
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_full = K - K % BLOCK_K
+    for k0 in range(0, k_full, BLOCK_K):
+        acc = _dot_tile(
+            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+            stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
+    if k_full < K:
+        acc = _dot_tile(
+            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M,
+            N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
+    store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 0, 0, HAS_BIAS,
+               1, INTERPRET)  # fmt: skip
+
+
+GROUPED_EXPERTS = FastLaunch(_grouped_experts_kernel)
+
+
+def grouped_config(rows: int, experts: int, n: int) -> LinearConfig:
+    """Tiles of the grouped launch: ``BLOCK_M`` near the mean rows per expert (16 to 64, so
+    few rows are padding), 64 columns, 128-element K steps pipelined 3 deep on 8 warps. Chosen
+    by registers, not yet by time: compiled for sm_90 (Triton 3.9) these launches spill
+    nothing for any family, while 256-element K steps at 64 rows spilled 400-750 bytes a
+    thread on 4 warps and 100-150 on 8 (``test_grouped_experts_sm90.py``). The interpreter
+    takes at most 64 columns."""
+    block_m = min(64, max(16, 1 << max(ceil_div(rows, experts) - 1, 0).bit_length()))
+    if interpreting():
+        block_n = min(64, max(16, 1 << max(n - 1, 0).bit_length()))
+        return LinearConfig("gemm", block_m, block_n, 128, num_warps=4, num_stages=1)
+    return LinearConfig("gemm", block_m, 64, 128, num_warps=8, num_stages=3)
+
+
+def expert_row_bounds(
+    ids: Integer[Tensor, " rows"], experts: int
+) -> tuple[Integer[Tensor, " rows"], Integer[Tensor, " bounds"]]:
+    """``(order, bounds)``: the rows sorted by expert (stable, original positions) and each
+    expert's first sorted row, ``bounds[experts]`` = all rows; on the device, no host sync."""
+    sorted_ids, order = torch.sort(ids, stable=True)
+    wanted = torch.arange(experts + 1, dtype=sorted_ids.dtype, device=ids.device)
+    return order, torch.searchsorted(sorted_ids, wanted, out_int32=True)
+
+
+def check_grouped_inputs(x: Tensor, w: KernelWeight, num_experts: int, bias: Tensor | None) -> None:
+    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts."""
+    require_kernel_device(x.device)
+    if x.dtype not in _TL_DTYPES:
+        raise ValueError(
+            f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, got "
+            f"{x.dtype}; cast the input first"
+        )
+    if w.data.device != x.device:
+        raise ValueError(
+            f"input is on {x.device} but the quantized experts are on {w.data.device}; move one "
+            "of them (payload.to(device))"
+        )
+    if bias is not None and (bias.shape != (num_experts, w.n) or bias.device != x.device):
+        raise ValueError(
+            f"bias must have shape [{num_experts}, {w.n}] on {x.device}, got "
+            f"{list(bias.shape)} on {bias.device}"
+        )
+
+
+def grouped_experts_linear(
+    x: Float[Tensor, "rows k"],
+    w: KernelWeight,
+    experts: ExpertRows,
+    num_experts: int,
+    bias: Float[Tensor, "e n"] | None,
+    cfg: LinearConfig | None = None,
+) -> Float[Tensor, "rows n"]:
+    """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` for every row in one launch.
+
+    ``w`` is the first expert's view (packed 4-bit rows of whole int32 words), ``experts`` the
+    rows' ids (in ``[0, num_experts)``: rows of other ids are left unwritten) and the strides
+    between experts; ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
+    """
+    words = word_view(w)
+    if words is None:
+        raise ValueError(
+            f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
+            f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
+        )
+    check_grouped_inputs(x, w, num_experts, bias)
+    rows, k = x.shape
+    cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n)
+    out = torch.empty((rows, w.n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    order, bounds = expert_row_bounds(experts.ids, num_experts)
+    xp = permute_codes(x, for_dot=True)
+    _, scales, zeros, global_scale = kernel_args(w)
+    if scales.dtype == torch.float8_e4m3fn:  # E4M3 scales decoded by bit operations, as bytes
+        scales = scales.view(torch.uint8)
+        zeros = zeros if w.zeros is not None else scales
+    max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
+    interpret = interpreting()
+    with on_device(x.device):
+        GROUPED_EXPERTS.launch(
+            (ceil_div(w.n, cfg.block_n) * max_tiles,), xp, words, scales, zeros, global_scale,
+            bias if bias is not None else x, out, order, bounds,
+            rows, w.n, k, num_experts, xp.stride(0), xp.stride(1), words.stride(0),
+            scales.stride(0), out.stride(0), experts.words, experts.scales, experts.global_scale,
+            FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
+            HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
+            X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret, INTERPRET=interpret,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,114 @@
+"""The grouped experts GEMM compiled for sm_90 on the CPU (no GPU needed): the GPU-only code the
+interpreter never runs (the E2M1 inline assembly, Hopper's tensor-core dots, the early exit of
+programs past the last tile) compiles for every family, and the default launches spill no
+registers. The launch arguments come from the real host code, launches recorded instead of run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _nvidia_tools() -> Path | None:
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
+    return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
+
+
+COMPILE = """
+import json, os, subprocess, sys, tempfile
+from dataclasses import replace
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import qlens.kernels.grouped_experts as g
+from qlens.kernels.experts import stacked_experts
+from qlens.quant.quantize import quantize_weight
+
+recorded = []
+g.GROUPED_EXPERTS.launch = lambda grid, *args, **options: recorded.append((args, options))
+g.require_kernel_device = lambda device: None  # CPU tensors stand in for the GPU's
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+CASES = [  # scheme, options, rows, activations, one global scale per expert
+    ("int4", {}, 640, torch.bfloat16, False),
+    ("int4", {"group_size": 32, "asymmetric": True}, 640, torch.bfloat16, False),
+    ("mxfp4", {}, 640, torch.bfloat16, False),
+    ("nvfp4", {}, 640, torch.bfloat16, True),
+    ("nvfp4", {}, 200, torch.bfloat16, False),
+    ("int4", {}, 70, torch.bfloat16, False),
+    ("mxfp4", {}, 70, torch.float32, False),
+]
+kernel = g._grouped_experts_kernel
+tools = sys.argv[1]
+results = []
+for scheme, options, rows, dtype, per_expert in CASES:
+    payload = quantize_weight(torch.randn(8, 96, 256), scheme, **options)
+    if per_expert:
+        payload = replace(payload, global_scale=payload.global_scale * torch.linspace(0.5, 2, 8))
+    ids = torch.randint(0, 8, (rows,))
+    w, expert_rows = stacked_experts(payload, ids)
+    bias = torch.randn(8, 96).to(dtype)
+    g.grouped_experts_linear(torch.randn(rows, 256).to(dtype), w, expert_rows, 8, bias)
+    args, launch = recorded.pop()
+    signature, constants = {}, {}
+    for i, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constants[(i,)] = launch[param.name]
+        elif isinstance(args[i], torch.Tensor):
+            signature[param.name] = "*" + TYPES[args[i].dtype]
+        else:
+            signature[param.name] = "i32" if -(2**31) <= args[i] < 2**31 else "i64"
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                           capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    fields = dict(item.split(":") for item in usage.split("REG:")[-1].replace("REG", "").split()
+                  if ":" in item)
+    results.append({"case": f"{scheme} {options} {rows} rows {dtype}",
+                    "use_asm": launch["USE_ASM"], "block_m": launch["BLOCK_M"],
+                    "stack": int(fields["STACK"]), "wgmma": "wgmma" in compiled.asm["ptx"]})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(_nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
+def test_grouped_launches_compile_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU code path
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(_nvidia_tools())],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 7
+    for result in results:
+        assert result["use_asm"], result  # the GPU decode, not the interpreter's
+        assert result["stack"] == 0, result  # no registers spilled to local memory
+        if result["block_m"] == 64 and "float32" not in result["case"]:
+            assert result["wgmma"], result  # Hopper's tensor-core dots
+    assert {r["block_m"] for r in results} == {16, 32, 64}
