@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_route import count_kernel_route
 from tiny_models import input_ids, make_model
 
-import qlens.kernels
-import qlens.kernels.dispatch
-import qlens.kernels.plan
 from qlens.modules.model_quantize import SCHEMES, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -23,18 +21,7 @@ def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
     ids = input_ids()
     with torch.no_grad():
         expected = quantized(ids).logits  # CPU: torch reference (patched out below)
-    calls = []
-    kernel = qlens.kernels.dispatch.launch_kernel
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
-    def no_fallback(x, payload, bias=None):
-        raise AssertionError(f"{payload.format.name} payload fell back to the torch reference")
-
-    monkeypatch.setattr(qlens.kernels.dispatch, "launch_kernel", counted)
-    monkeypatch.setattr(qlens.kernels.plan, "reference_linear", no_fallback)
+    calls = count_kernel_route(monkeypatch)
     quantized.to("cuda")
     with torch.no_grad():
         got = quantized(ids.cuda()).logits.cpu()

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_route import count_kernel_route
 from tiny_models import input_ids, make_model
 
-import qlens.kernels.dispatch
-import qlens.kernels.plan
 from qlens.bridge import Bridge
 from qlens.modules.model_quantize import SCHEMES, quantize
 
@@ -45,18 +44,7 @@ def test_split_inputs_run_the_kernels_and_match_the_cpu_reference(
         plain = bridge(ids)
         expected = bridge.run_with_hooks(ids, fwd_hooks=hooks)  # CPU: torch reference
     assert (expected - plain).abs().max().item() > 1e-3  # the edit reaches the logits
-    calls = []
-    kernel = qlens.kernels.dispatch.launch_kernel
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
-    def no_fallback(x, payload, bias=None):
-        raise AssertionError(f"{payload.format.name} payload fell back to the torch reference")
-
-    monkeypatch.setattr(qlens.kernels.dispatch, "launch_kernel", counted)
-    monkeypatch.setattr(qlens.kernels.plan, "reference_linear", no_fallback)
+    calls = count_kernel_route(monkeypatch)
     bridge.to("cuda")
     with torch.no_grad():
         got = bridge.run_with_hooks(ids.cuda(), fwd_hooks=hooks).cpu()

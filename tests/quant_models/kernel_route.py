@@ -1,0 +1,25 @@
+"""Spy for the GPU tests: count the linears that take qlens' kernel route, refuse the reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlens.kernels import plan
+
+
+def count_kernel_route(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one per ``LinearPlan`` call on the kernel route; any payload falling
+    back to the torch reference raises instead (patched for the rest of the test)."""
+    calls: list[int] = []
+    kernel = plan.LinearPlan._kernel
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(1)
+        return kernel(self, *args, **kwargs)
+
+    def no_fallback(x, payload, bias=None):  # noqa: ANN001, ANN202
+        raise AssertionError(f"{payload.format.name} payload fell back to the torch reference")
+
+    monkeypatch.setattr(plan.LinearPlan, "_kernel", counted)
+    monkeypatch.setattr(plan, "reference_linear", no_fallback)
+    return calls
