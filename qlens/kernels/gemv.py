@@ -22,7 +22,7 @@ from torch import Tensor
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
-from qlens.kernels.launch import kernel_args, kernel_constants
+from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
@@ -139,13 +139,7 @@ class PackedGemv:
         self.m, self.n, self.for_dot, self.has_bias = m, w.n, use_dot, has_bias
         self.out_shape, self.dtype, self.device = (m, w.n), dtype, device
         self.partials_shape = (split, m, w.n) if split > 1 else None
-        _, scales, zeros, global_scale = kernel_args(w)
-        if use_dot and scales.dtype == torch.float8_e4m3fn:
-            # E4M3 scales (NVFP4) as bytes, decoded by bit operations in the tensor-core path's
-            # own layout (16 rows: 8-14% faster on the H200); the FMA path keeps the hardware
-            # conversion (one row, 28672 x 8192: 73.3 us with the bit decode, 64.2 us without).
-            scales = scales.view(torch.uint8)
-            zeros = zeros if w.zeros is not None else scales
+        _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
         n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
         args = (

@@ -25,7 +25,7 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, permute_codes
-from qlens.kernels.launch import kernel_args, on_device
+from qlens.kernels.launch import dot_kernel_args, on_device
 from qlens.kernels.packed_gemv import _dot_tile
 from qlens.kernels.packed_words import ExpertRows, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -182,10 +182,7 @@ def grouped_experts_linear(
         return out
     order, bounds = expert_row_bounds(experts.ids, num_experts)
     xp = permute_codes(x, for_dot=True)
-    _, scales, zeros, global_scale = kernel_args(w)
-    if scales.dtype == torch.float8_e4m3fn:  # E4M3 scales decoded by bit operations, as bytes
-        scales = scales.view(torch.uint8)
-        zeros = zeros if w.zeros is not None else scales
+    _, scales, zeros, global_scale = dot_kernel_args(w)
     max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
     interpret = interpreting()
     with on_device(x.device):

@@ -22,6 +22,20 @@ def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return data, w.scales, zeros, global_scale
 
 
+def dot_kernel_args(
+    w: KernelWeight,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernel_args`` for the packed tensor-core paths: E4M3 scales (NVFP4) travel as bytes,
+    decoded by bit operations in the dots' own layout (16 rows: 8-14% faster on the H200; the
+    one-row FMA path keeps the hardware conversion: 28672 x 8192, 73.3 us with the bit decode,
+    64.2 us without)."""
+    data, scales, zeros, global_scale = kernel_args(w)
+    if scales.dtype == torch.float8_e4m3fn:
+        scales = scales.view(torch.uint8)
+        zeros = zeros if w.zeros is not None else scales
+    return data, scales, zeros, global_scale
+
+
 def kernel_constants(w: KernelWeight) -> dict[str, Any]:
     """The compile-time constants describing the weight's format."""
     return {
