@@ -31,9 +31,8 @@ import transformers
 from _timing import LAUNCH_ERRORS, PACKED_4BIT_SCHEMES, header, publish, rel_err, select_schemes
 from _timing import time_eager as _time_eager
 
-import qlens.modules.dispatch as dispatch_module
 from qlens.kernels.configs import LinearConfig
-from qlens.kernels.experts import stacked_experts
+from qlens.kernels.experts import ExpertsPlan, stacked_experts
 from qlens.kernels.gemv import permute_codes
 from qlens.kernels.grouped_experts import expert_row_bounds, grouped_config, grouped_experts_linear
 from qlens.modules import QuantExperts
@@ -110,12 +109,12 @@ def scheme_row(label, scheme, options, block, hidden, index, weights, t_bf16) ->
         t_grouped = time_eager(lambda: experts(hidden, index, weights))
         out = experts(hidden, index, weights)
         expected = reference_block(block, experts)(hidden.float(), index, weights.float())
-        original = dispatch_module.experts_in_one_launch
-        dispatch_module.experts_in_one_launch = lambda *args: False
+        original = ExpertsPlan.one_launch
+        ExpertsPlan.one_launch = lambda self, rows: False  # each used expert on its rows
         try:
             t_loop = time_eager(lambda: experts(hidden, index, weights))
         finally:
-            dispatch_module.experts_in_one_launch = original
+            ExpertsPlan.one_launch = original
     best = min((t for t in t_bf16.values() if not math.isnan(t)), default=float("nan"))
     bf16_cells = " | ".join(f"{t_bf16[name]:.0f}" for name in BF16_IMPLEMENTATIONS)
     return (

@@ -10,8 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
-# Every jaxtyping annotation in qlens is checked with beartype while the tests run.
-install_import_hook("qlens", "beartype.beartype")
+# Every jaxtyping annotation in qlens is checked with beartype while the tests run (calls that
+# torch.compile traces excepted: tests/typecheck_outside_compile.py).
+install_import_hook("qlens", "typecheck_outside_compile.beartype_outside_compile")
 
 settings.register_profile(
     "ci",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -65,14 +66,29 @@ def traced_experts_forward(
     through the ``qlens::experts_linear`` op, no data-dependent Python. ``first`` and ``down``
     are (payload tensors, spec key[, number of experts])."""
     (first_tensors, first_key, num_experts), (down_tensors, down_key) = first, down
-
-    def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-        h = compiled_experts_linear(x, ids, first_tensors, first_key, first_bias)
-        return compiled_experts_linear(activate(h), ids, down_tensors, down_key, down_bias)
-
+    # A partial, not a closure: no function is defined inside the traced region.
+    rows_fn = functools.partial(
+        _traced_rows, first_tensors, first_key, first_bias, down_tensors, down_key, down_bias,
+        activate,
+    )  # fmt: skip
     return route_to_experts(
         hidden_states, top_k_index, top_k_weights, num_experts, _unused_expert_fn, rows_fn
     )
+
+
+def _traced_rows(
+    first_tensors: list[Tensor],
+    first_key: str,
+    first_bias: Tensor | None,
+    down_tensors: list[Tensor],
+    down_key: str,
+    down_bias: Tensor | None,
+    activate: Callable[[Tensor], Tensor],
+    x: Tensor,
+    ids: Tensor,
+) -> Tensor:
+    h = compiled_experts_linear(x, ids, first_tensors, first_key, first_bias)
+    return compiled_experts_linear(activate(h), ids, down_tensors, down_key, down_bias)
 
 
 def _unused_expert_fn(expert: int, x: Tensor) -> Tensor:

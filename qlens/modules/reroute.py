@@ -265,7 +265,8 @@ def _experts_forward(
 # with the adoption they belong to: a forward reaches them with two comparisons.
 _PLANS = "_qlens_adopted_plans"
 T = TypeVar("T")
-_KEPT = (_TRACED, _PLANS)  # what qlens keeps on the module itself: not part of the adoption
+_GATE = "_qlens_gate"
+_KEPT = (_TRACED, _PLANS, _GATE)  # what qlens keeps on the module itself: not the adoption
 
 
 def _kept_plans(
@@ -298,11 +299,14 @@ def _traced_experts(
 
 
 def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:
-    own = getattr(module, "_apply_gate", None)
-    if own is not None:
-        return own
-    # Mxfp4GptOssExperts: the kernel fuses GPT-OSS' interleaved, clamped SwiGLU.
-    return ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit).apply
+    """The module's gating, built on its first forward and kept on it."""
+    gate = module.__dict__.get(_GATE)
+    if gate is None:
+        own = getattr(module, "_apply_gate", None)
+        # Mxfp4GptOssExperts: the kernel fuses GPT-OSS' interleaved, clamped SwiGLU.
+        gate = own or ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit).apply
+        module.__dict__[_GATE] = gate
+    return gate
 
 
 def _mxfp4_mlp_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor]:

@@ -96,7 +96,7 @@ def test_grouped_experts_make_no_host_sync_on_gpu():
 def test_quant_experts_prefill_matches_the_expert_loop_on_gpu(monkeypatch):
     """A QuantExperts prefill (grouped launches) against the same module run expert by
     expert (each expert's own linear), both in bf16."""
-    import qlens.modules.dispatch as dispatch_module
+    from qlens.kernels.experts import ExpertsPlan
     from qlens.modules import ExpertGate, QuantExperts
 
     gen = torch.Generator().manual_seed(2)
@@ -113,7 +113,7 @@ def test_quant_experts_prefill_matches_the_expert_loop_on_gpu(monkeypatch):
     with torch.no_grad():
         grouped = experts(hidden, index, weights.to(torch.bfloat16))
         assert len(launches) == 2
-        monkeypatch.setattr(dispatch_module, "experts_in_one_launch", lambda *a: False)
+        monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: False)
         loop = experts(hidden, index, weights.to(torch.bfloat16))
     assert len(launches) == 2
     assert rel_err(grouped, loop) < 2 * BF16_TOLERANCE
