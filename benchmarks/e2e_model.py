@@ -52,7 +52,6 @@ from benchmarks._e2e_models import Shape, bnb_quantized, build_model, shapes, we
 from benchmarks._timing import header, median_wall_s, publish, select_schemes  # noqa: E402
 
 PROMPT_TOKENS = 32
-WARMUP_TOKENS = 4  # new tokens of an eager decode's warm-up call
 BNB_SCHEMES = ("bnb-nf4", "bnb-int8")
 DEFAULT_COMPILE = ("bf16", "int4", "bnb-nf4")
 
@@ -110,13 +109,13 @@ def decode_call(
 def tokens_per_s(
     generate: Callable[..., torch.Tensor], work: Workload, compiled: bool = False, **kwargs
 ) -> float:
-    """Decode tokens per second of ``generate``: the median of ``work.repeats`` calls after a
-    warm-up call of a few tokens (compiled: two of full length, which compile and record the
-    CUDA graphs for the static cache of that length)."""
+    """Decode tokens per second of ``generate``: the median of ``work.repeats`` calls after
+    warm-up calls of full length (one eager, which grows the caches and the allocator's pool to
+    the timed length; compiled: two, which compile and record the CUDA graphs for the static
+    cache of that length)."""
     full = decode_call(generate, work, work.decode_tokens, **kwargs)
-    warmups = [full, full] if compiled else [decode_call(generate, work, WARMUP_TOKENS, **kwargs)]
-    for warmup in warmups:
-        warmup()
+    for _ in range(2 if compiled else 1):
+        full()
     return work.decode_tokens / median_wall_s(full, work.repeats, warmup=0)
 
 
