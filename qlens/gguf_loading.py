@@ -89,9 +89,10 @@ def load_gguf_packed(
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    # transformers' block-keeping reader, or its legacy one with an architecture-specific
-    # tensor processor (MoE splits, Bloom/GPT-2 reshapes...): transformers reads those.
-    own = architecture in _OWN_READER_ARCHS or architecture not in TENSOR_PROCESSORS
+    # transformers' block-keeping reader, or its legacy one with a tensor processor qlens does not
+    # reproduce (GPT-OSS and MiniMax experts, Bloom/GPT-2 reshapes...): transformers reads those.
+    processor = TENSOR_PROCESSORS.get(architecture)
+    own = processor is None or processor.__name__ == _REPRODUCED_PROCESSORS.get(architecture)
     if own and not is_gguf_arch_supported(architecture):
         model = _load_with_qlens_reader(path, reader, architecture, dtype)
     else:
@@ -101,9 +102,14 @@ def load_gguf_packed(
     return model.eval()
 
 
-# Architectures with a tensor processor that qlens applies to packed rows itself (Llama's q/k
-# row permutation); architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
-_OWN_READER_ARCHS = ("llama",)
+# Architectures whose transformers tensor processor qlens reproduces on packed blocks: Llama's
+# q/k row permutation, Qwen2-MoE/Qwen3-MoE's gate|up stacking of the experts (qlens.gguf_experts).
+# Architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
+_REPRODUCED_PROCESSORS = {
+    "llama": "LlamaTensorProcessor",
+    "qwen2moe": "Qwen2MoeTensorProcessor",
+    "qwen3moe": "Qwen2MoeTensorProcessor",
+}
 
 
 def _field(reader: Any, key: str) -> str:
@@ -147,6 +153,7 @@ def _load_with_qlens_reader(
         get_gguf_hf_weights_map,
     )
 
+    from qlens.gguf_experts import expert_tensor_base, place_experts
     from qlens.load_checks import key_list
     from qlens.modules import QuantLinear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
@@ -160,7 +167,13 @@ def _load_with_qlens_reader(
     names = get_gguf_hf_weights_map(model, processor)
     expected = set(model.state_dict())
     loaded: set[str] = set()
+    experts: dict[str, list[Any]] = {}
     for tensor in reader.tensors:
+        experts_base = expert_tensor_base(tensor.name)
+        if experts_base is not None:
+            key = _experts_key(names, experts_base, tensor.name, path, architecture)
+            experts.setdefault(key.rpartition(".")[0], []).append(tensor)
+            continue
         if tensor.name not in names:
             continue
         key = names[tensor.name]
@@ -170,6 +183,7 @@ def _load_with_qlens_reader(
         if type_id in GGML_TYPES and type(owner) is nn.Linear and leaf == "weight":
             rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
             rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
+            rows = rows.reshape(owner.out_features, -1)  # Qwen2-MoE's [1, H] shared-expert gate
             payload = gguf_payload(torch.from_numpy(np.array(rows, copy=True)), type_id)
             bias: Tensor | None = owner.bias
             if bias is not None and bias.is_meta:  # its tensor comes later and replaces this
@@ -181,6 +195,12 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
+    for module_name, tensors in experts.items():
+        place_experts(
+            model, module_name, tensors, activation=str(config.hidden_act), dtype=dtype,
+            file_name=path.name,
+        )  # fmt: skip
+        loaded.update(f"{module_name}.{leaf}" for leaf in ("gate_up_proj", "down_proj"))
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
         if target not in loaded and source in loaded:
             put_tensor(model, target, model.get_parameter(source))
@@ -192,6 +212,21 @@ def _load_with_qlens_reader(
             "random values."
         )
     return model
+
+
+def _experts_key(
+    names: dict[str, str], base: str, tensor_name: str, path: Path, architecture: str
+) -> str:
+    """The fused experts parameter transformers' name map gives a stacked expert tensor."""
+    key = names.get(base)
+    if key is None:
+        raise ValueError(
+            f"{path.name} holds stacked expert tensors ({tensor_name}), but the {architecture!r} "
+            "model transformers builds from its metadata has no experts module for them (a "
+            "Mixtral file, written as 'llama', reads as a dense Llama); neither qlens nor "
+            "transformers can load it. Convert the original checkpoint instead."
+        )
+    return key
 
 
 def to_qlens_modules(model: nn.Module) -> int:

@@ -76,7 +76,7 @@ def random_k_quant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np
     return blocks.reshape(rows, -1)
 
 
-def _encode(
+def encode_weight(
     name: str, weights: np.ndarray, type_name: str, seed: int
 ) -> tuple[np.ndarray, GGMLQuantizationType]:
     qtype = GGMLQuantizationType[type_name]
@@ -104,7 +104,7 @@ def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str
     writer.add_vocab_size(config.vocab_size)
 
     def add(name: str, tensor: torch.Tensor, type_name: str, seed: int = 0) -> None:
-        data, qtype = _encode(name, tensor.detach().float().numpy(), type_name, seed)
+        data, qtype = encode_weight(name, tensor.detach().float().numpy(), type_name, seed)
         writer.add_tensor(name, data, raw_dtype=qtype)
 
     add("token_embd.weight", model.model.embed_tokens.weight, "F32")
