@@ -52,6 +52,16 @@ def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def gguf_py_values(reader: object) -> dict[str, np.ndarray]:
+    """gguf-py's dequantization of every tensor in a file, keyed by GGUF name."""
+    from gguf.quants import dequantize
+
+    return {
+        t.name: dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
+        for t in reader.tensors  # type: ignore[attr-defined]
+    }
+
+
 def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order: each head's two rotary halves interleaved."""
     shape = weights.shape
@@ -87,8 +97,14 @@ def encode_weight(
     return quantize(weights, qtype), qtype
 
 
-def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str], str]) -> Path:
-    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type."""
+def write_gguf_llama(
+    model: LlamaForCausalLM,
+    path: Path,
+    type_of: Callable[[str], str],
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type,
+    ``extra`` holds more float32 tensors to write by GGUF name."""
     config = model.config
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
@@ -121,6 +137,8 @@ def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str
             add(name, weight, type_of(name), seed=100 * index + seed)
     add("output_norm.weight", model.model.norm.weight, "F16")
     add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -61,9 +61,11 @@ def write_gguf_moe(
     type_of: Callable[[str], str],
     *,
     experts_written: int | None = None,
+    omit: tuple[str, ...] = (),
 ) -> Path:
     """Write ``model`` to ``path`` as a GGUF ``arch`` file; ``type_of(gguf_tensor_name)`` names
-    each linear's GGML type. ``experts_written`` keeps only that many experts (a broken file)."""
+    each linear's GGML type. Broken files: ``experts_written`` keeps only that many experts,
+    ``omit`` leaves out the tensors of those GGUF names."""
     config = model.config
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
@@ -114,6 +116,8 @@ def write_gguf_moe(
             (("gate", gate), ("up", up), ("down", mlp.experts.down_proj.detach()[kept]))
         ):
             name = f"{blk}.ffn_{part}_exps.weight"
+            if name in omit:
+                continue
             data, qtype = _stacked(weight, type_of(name), 10 * index + seed)
             writer.add_tensor(name, data, raw_dtype=qtype)
         if arch == "qwen2moe":

@@ -15,6 +15,7 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import (  # noqa: E402
     K_QUANT_F16_OFFSETS,
     QUANTIZABLE,
+    gguf_py_values,
     make_gguf_llama,
     permute_rows,
     write_gguf_llama,
@@ -61,14 +62,6 @@ def _file_type(reader: object, name: str) -> str:
     return next(t.tensor_type.name for t in reader.tensors if t.name == name)  # type: ignore[attr-defined]
 
 
-def _gguf_values(reader: object) -> dict[str, np.ndarray]:
-    """gguf-py's dequantization of every tensor in the file, keyed by GGUF name."""
-    return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
-        for t in reader.tensors  # type: ignore[attr-defined]
-    }
-
-
 def _gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head":
         return "output.weight"
@@ -82,7 +75,7 @@ def _gguf_name(hf_name: str) -> str:
 def test_linears_stay_gguf_blocks_that_decode_to_gguf_py_values(files, kind):
     path = files[kind]
     reader = gguf.GGUFReader(str(path))
-    expected = _gguf_values(reader)
+    expected = gguf_py_values(reader)
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
     quantized = {n: m for n, m in bridge.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(quantized) == N_LAYERS * LINEARS_PER_LAYER + 1  # and lm_head
@@ -152,6 +145,6 @@ def test_types_without_a_qlens_codec_load_as_gguf_py_floats(tmp_path, kind):
     reference = dict(_transformers_float(path).named_parameters())
     for name, tensor in bridge.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
-    expected = _gguf_values(gguf.GGUFReader(str(path)))
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
     down = bridge.model.model.layers[1].mlp.down_proj.weight.detach().numpy()
     np.testing.assert_array_equal(down, expected["blk.1.ffn_down.weight"])

@@ -1,0 +1,221 @@
+"""`qlens.load` on MoE GGUF files written by gguf-py (tiny random Qwen3-MoE / Qwen2-MoE): the
+stacked experts stay GGUF blocks in ``QuantExperts`` that decode to exactly gguf-py's values, and
+the model predicts like transformers' own (dequantizing) GGUF loader."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf_files import gguf_py_values, make_gguf_llama, write_gguf_llama  # noqa: E402
+from gguf_moe_files import N_LAYERS, NUM_EXPERTS, make_gguf_moe, write_gguf_moe  # noqa: E402
+from model_fixtures import make_tiny_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import qlens  # noqa: E402
+from qlens.gguf_loading import load_gguf_packed  # noqa: E402
+from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
+from qlens.modules.serialization import load_quantized, save_quantized  # noqa: E402
+from qlens.report.audit import audit_weights  # noqa: E402
+from qlens.weights import W_gate, W_in, W_out  # noqa: E402
+
+# Qwen3-MoE: one type everywhere, or llama.cpp's Q4_K_M-like mix (experts' down in Q6_K).
+# Qwen2-MoE's experts are 1408 wide (its config default), not whole 256-weight K-quant blocks.
+CASES = (
+    ("qwen3moe", "Q8_0"),
+    ("qwen3moe", "Q4_0"),
+    ("qwen3moe", "mixed"),
+    ("qwen2moe", "Q8_0"),
+    ("qwen2moe", "Q4_0"),
+)
+MIXED = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q8_0"}
+TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
+
+
+def _mixed_type(name: str) -> str:
+    return MIXED.get(name.split(".")[-2], "Q4_K")
+
+
+def _type_of(kind: str):
+    return _mixed_type if kind == "mixed" else (lambda _: kind)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    folder = tmp_path_factory.mktemp("gguf_moe")
+    models = {arch: make_gguf_moe(arch) for arch in {arch for arch, _ in CASES}}
+    return {
+        (arch, kind): write_gguf_moe(
+            models[arch], folder / f"tiny-{arch}-{kind}.gguf", arch, _type_of(kind)
+        )
+        for arch, kind in CASES
+    }
+
+
+def _qlens_model(path: Path) -> torch.nn.Module:
+    """What ``qlens.load`` wraps (qlens has no bridge adapter for Qwen2-MoE)."""
+    return load_gguf_packed(path, dtype=torch.float32, device=None)
+
+
+def _transformers_float(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
+def _file_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, case):
+    path = files[case]
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
+    types = _file_types(path)
+    model = _qlens_model(path)
+    assert not [n for n, p in model.named_parameters() if p.ndim == 3]  # no float experts
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert isinstance(experts, QuantExperts)
+        assert (experts.num_experts, experts.gate.layout) == (NUM_EXPERTS, "stacked")
+        blk = f"blk.{index}"
+        for name, payload in experts.payload.items():
+            part = "gate" if name == "gate_up_proj" else "down"
+            file_type = types[f"{blk}.ffn_{part}_exps.weight"]
+            assert payload.format.name == f"gguf_{file_type.lower()}", name
+            assert payload.data.dtype == torch.uint8, name
+        values = qlens.dequantize(experts)
+        gate, up = values["gate_up_proj"].chunk(2, dim=1)
+        np.testing.assert_array_equal(gate.numpy(), expected[f"{blk}.ffn_gate_exps.weight"])
+        np.testing.assert_array_equal(up.numpy(), expected[f"{blk}.ffn_up_exps.weight"])
+        down = values["down_proj"].numpy()
+        np.testing.assert_array_equal(down, expected[f"{blk}.ffn_down_exps.weight"])
+    formats = sorted({f"gguf_{t.lower()}" for t in types.values() if t not in ("F32", "F16")})
+    assert audit_weights(model).formats == formats
+    experts_rows = [r for r in audit_weights(model).rows if ".mlp.experts." in r.name]
+    assert len(experts_rows) == 2 * N_LAYERS and not any(r.readable for r in experts_rows)
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_qlens_predicts_like_transformers_gguf_loader(files, case):
+    arch, _ = case
+    path = files[case]
+    reference = _transformers_float(path)
+    model = _qlens_model(path)
+    packed = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert torch.equal(qlens.dequantize(module), reference.get_submodule(name).weight)
+            packed += 1
+        elif isinstance(module, QuantExperts):
+            theirs = reference.get_submodule(name)
+            for leaf, values in qlens.dequantize(module).items():
+                assert torch.equal(values, getattr(theirs, leaf)), f"{name}.{leaf}"
+            packed += 1
+    # attention q/k/v/o, experts (and Qwen2-MoE's shared expert) per layer, and lm_head
+    assert packed == N_LAYERS * (5 if arch == "qwen3moe" else 8) + 1
+    floats = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, floats[name]), name
+    with torch.no_grad():
+        theirs = reference(TOKENS).logits
+        if arch == "qwen3moe":  # through the bridge; qlens has no Qwen2-MoE adapter
+            ours = qlens.load(path, tokenizer=make_tiny_tokenizer())(TOKENS)
+        else:
+            ours = model(TOKENS).logits
+    # Identical float32 weights and float routers, so both pick the same experts; the paths
+    # differ only in matmul summation order (qlens dequantizes each hit expert then matmuls on
+    # the same token rows), a few ulps per dot product of <= 1408 terms, through two layers.
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def bridge(files):
+    return qlens.load(files["qwen3moe", "Q4_0"], tokenizer=make_tiny_tokenizer())
+
+
+def test_expert_weight_reads_are_guarded(bridge, files):
+    reference = _transformers_float(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
+    for read in (W_in, W_gate, W_out):
+        with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
+            read(bridge, 0)
+        assert "gguf_q4_0" in str(error.value)
+    with bridge.dequantized():
+        w_gate, w_in, w_out = W_gate(bridge, 0), W_in(bridge, 0), W_out(bridge, 0, expert=3)
+    gate, up = reference.gate_up_proj.chunk(2, dim=1)
+    assert torch.equal(w_gate, gate.transpose(-1, -2))  # [experts, d_model, d_mlp]
+    assert torch.equal(w_in, up.transpose(-1, -2))
+    assert torch.equal(w_out, reference.down_proj[3].T)  # [d_mlp, d_model]
+    with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
+        W_in(bridge, 0)  # refused again once the context has exited
+
+
+def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
+    save_quantized(bridge, tmp_path)
+    reloaded = load_quantized(tmp_path)
+    for index, layer in enumerate(reloaded.model.layers):
+        experts, saved = layer.mlp.experts, bridge.model.model.layers[index].mlp.experts
+        assert isinstance(experts, QuantExperts)
+        for name, payload in experts.payload.items():
+            assert payload.format == saved.payload[name].format
+            assert torch.equal(payload.data, saved.payload[name].data)
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, bridge.model(TOKENS).logits)
+
+
+@pytest.mark.parametrize(
+    "types",
+    [{"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"}, {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}],
+    ids=["no-qlens-codec", "gate-up-differ"],
+)
+def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog, types):
+    def type_of(name: str) -> str:
+        kind = name.split(".")[-2]
+        return types[kind[4:-5]] if kind.endswith("_exps") else "Q8_0"
+
+    path = write_gguf_moe(make_gguf_moe("qwen3moe"), tmp_path / "tiny.gguf", "qwen3moe", type_of)
+    with caplog.at_level(logging.WARNING, logger="qlens.gguf_experts"):
+        model = _qlens_model(path)
+    logged = caplog.text
+    for index in range(N_LAYERS):
+        for part, kind in types.items():
+            assert f"blk.{index}.ffn_{part}_exps.weight {kind}" in logged
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
+    reference = dict(_transformers_float(path).named_parameters())
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert not isinstance(experts, QuantExperts)
+        gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)
+        np.testing.assert_array_equal(gate.numpy(), expected[f"blk.{index}.ffn_gate_exps.weight"])
+        np.testing.assert_array_equal(up.numpy(), expected[f"blk.{index}.ffn_up_exps.weight"])
+        assert isinstance(layer.self_attn.q_proj, QuantLinear)  # the linears stay packed
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path):
+    model = make_gguf_moe("qwen3moe")
+    fewer = write_gguf_moe(
+        model, tmp_path / "fewer.gguf", "qwen3moe", lambda _: "Q8_0", experts_written=3
+    )
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\]"):
+        _qlens_model(fewer)
+    no_down = write_gguf_moe(
+        model, tmp_path / "no-down.gguf", "qwen3moe", lambda _: "Q8_0",
+        omit=("blk.1.ffn_down_exps.weight",),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"no-down\.gguf lacks blk\.1\.ffn_down_exps\.weight"):
+        _qlens_model(no_down)
+
+
+def test_llama_file_with_stacked_experts_is_refused(tmp_path):
+    experts = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 512, 256), dtype=np.float32)}
+    path = write_gguf_llama(make_gguf_llama(), tmp_path / "mixtral.gguf", lambda _: "Q8_0", experts)
+    with pytest.raises(ValueError, match=r"holds stacked expert tensors \(blk\.0\.ffn_gate_exps"):
+        qlens.load(path, tokenizer=make_tiny_tokenizer())
