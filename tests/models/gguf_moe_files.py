@@ -25,8 +25,18 @@ NUM_EXPERTS, TOP_K, HIDDEN, N_LAYERS, N_HEADS, N_KV_HEADS = 4, 2, 256, 2, 4, 2
 MOE_INTERMEDIATE = {"qwen3moe": 768, "qwen2moe": 1408}
 SHARED_INTERMEDIATE = 5632  # Qwen2MoeConfig's default
 
+# llama.cpp's Q4_K_M-like mix for the "mixed" files: Q4_K, with the experts' down in Q6_K.
+MIXED = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q8_0"}
+
 _ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 _SHARED = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
+
+
+def moe_type_of(kind: str) -> Callable[[str], str]:
+    """``type_of`` for ``write_gguf_moe``: one GGML type everywhere, or ``"mixed"`` (``MIXED``)."""
+    if kind == "mixed":
+        return lambda name: MIXED.get(name.split(".")[-2], "Q4_K")
+    return lambda _: kind
 
 
 def make_gguf_moe(arch: str, seed: int = 0) -> PreTrainedModel:

@@ -14,7 +14,13 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import gguf_py_values, make_gguf_llama, write_gguf_llama  # noqa: E402
-from gguf_moe_files import N_LAYERS, NUM_EXPERTS, make_gguf_moe, write_gguf_moe  # noqa: E402
+from gguf_moe_files import (  # noqa: E402
+    N_LAYERS,
+    NUM_EXPERTS,
+    make_gguf_moe,
+    moe_type_of,
+    write_gguf_moe,
+)
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -25,7 +31,7 @@ from qlens.modules.serialization import load_quantized, save_quantized  # noqa: 
 from qlens.report.audit import audit_weights  # noqa: E402
 from qlens.weights import W_gate, W_in, W_out  # noqa: E402
 
-# Qwen3-MoE: one type everywhere, or llama.cpp's Q4_K_M-like mix (experts' down in Q6_K).
+# Qwen3-MoE: one type everywhere, or llama.cpp's Q4_K_M-like mix (gguf_moe_files.MIXED).
 # Qwen2-MoE's experts are 1408 wide (its config default), not whole 256-weight K-quant blocks.
 CASES = (
     ("qwen3moe", "Q8_0"),
@@ -34,16 +40,7 @@ CASES = (
     ("qwen2moe", "Q8_0"),
     ("qwen2moe", "Q4_0"),
 )
-MIXED = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q8_0"}
 TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
-
-
-def _mixed_type(name: str) -> str:
-    return MIXED.get(name.split(".")[-2], "Q4_K")
-
-
-def _type_of(kind: str):
-    return _mixed_type if kind == "mixed" else (lambda _: kind)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +49,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Pat
     models = {arch: make_gguf_moe(arch) for arch in {arch for arch, _ in CASES}}
     return {
         (arch, kind): write_gguf_moe(
-            models[arch], folder / f"tiny-{arch}-{kind}.gguf", arch, _type_of(kind)
+            models[arch], folder / f"tiny-{arch}-{kind}.gguf", arch, moe_type_of(kind)
         )
         for arch, kind in CASES
     }
@@ -154,6 +151,15 @@ def test_expert_weight_reads_are_guarded(bridge, files):
     assert torch.equal(w_out, reference.down_proj[3].T)  # [d_mlp, d_model]
     with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
         W_in(bridge, 0)  # refused again once the context has exited
+
+
+def test_dequantize_on_load_gives_transformers_float_experts(files):
+    path = files["qwen3moe", "mixed"]
+    floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
+    assert not any(isinstance(m, (QuantExperts, QuantLinear)) for m in floats.model.modules())
+    reference = dict(_transformers_float(path).named_parameters())
+    for name, tensor in floats.model.named_parameters():
+        assert torch.equal(tensor, reference[name]), name
 
 
 def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
