@@ -124,4 +124,6 @@ def _put_float_experts(
 
     gate_up = np.concatenate([values("gate"), values("up")], axis=1)
     put_tensor(model, f"{module_name}.gate_up_proj", torch.from_numpy(gate_up).to(dtype))
-    put_tensor(model, f"{module_name}.down_proj", torch.from_numpy(np.copy(values("down"))).to(dtype))
+    put_tensor(
+        model, f"{module_name}.down_proj", torch.from_numpy(np.copy(values("down"))).to(dtype)
+    )

@@ -6,7 +6,12 @@ import pytest
 import torch
 from kernel_cases import count_grouped_launches, rel_err
 
+from benchmarks._samples import random_gguf
 from qlens.kernels import dequantize_triton, experts_linear
+from qlens.kernels.experts import expert_views, first_expert_view, rows_through_experts
+from qlens.kernels.plan import LinearPlan
+from qlens.quant.codecs.gguf import GGML_TYPES
+from qlens.quant.codecs.intgroup import repack_to_qlens
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
@@ -119,13 +124,6 @@ def test_dequantize_triton_of_experts_is_bit_exact():
 def test_gguf_experts_run_each_expert_through_the_dequantize_route(type_name):
     """An accelerator runs GGUF experts one by one: each expert's view of the ``[experts, out,
     in]`` blocks through the GGUF dequantize kernel, then a matmul (here in the interpreter)."""
-    from benchmarks._samples import random_gguf
-
-    from qlens.kernels.experts import expert_views, first_expert_view, rows_through_experts
-    from qlens.kernels.plan import LinearPlan
-    from qlens.quant.codecs.gguf import GGML_TYPES
-    from qlens.quant.codecs.intgroup import repack_to_qlens
-
     ggml_type = next(t for t in GGML_TYPES.values() if t.name == type_name)
     payload = random_gguf(ggml_type, (3, 16, 64), seed=4)
     assert first_expert_view(payload) is None  # no one-launch path: expert by expert

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 # Types gguf-py's quantize() writes (it has no quantizer for the K-quants).
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
@@ -106,18 +106,8 @@ def write_gguf_llama(
     """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type,
     ``extra`` holds more float32 tensors to write by GGUF name."""
     config = model.config
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, "llama", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
 
     def add(name: str, tensor: torch.Tensor, type_name: str, seed: int = 0) -> None:
         data, qtype = encode_weight(name, tensor.detach().float().numpy(), type_name, seed)
@@ -139,6 +129,27 @@ def write_gguf_llama(
     add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values)
+    return write_out(writer, path)
+
+
+def gguf_writer(path: Path, arch: str, config: PretrainedConfig) -> GGUFWriter:
+    """A GGUF writer for ``arch`` holding the metadata every decoder file has, from ``config``."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
+def write_out(writer: GGUFWriter, path: Path) -> Path:
+    """Write the header, metadata and tensors ``writer`` holds to ``path``."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

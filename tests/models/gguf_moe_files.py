@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import K_QUANT_F16_OFFSETS, encode_weight
+from gguf import GGMLQuantizationType
+from gguf_files import K_QUANT_F16_OFFSETS, encode_weight, gguf_writer, write_out
 from transformers import (
     PreTrainedModel,
     Qwen2MoeConfig,
@@ -77,18 +77,8 @@ def write_gguf_moe(
     each linear's GGML type. Broken files: ``experts_written`` keeps only that many experts,
     ``omit`` leaves out the tensors of those GGUF names."""
     config = model.config
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer = gguf_writer(path, arch, config)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen3moe":
@@ -137,11 +127,7 @@ def write_gguf_moe(
             add(f"{blk}.ffn_gate_inp_shexp.weight", mlp.shared_expert_gate.weight[0], "F32")
     add("output_norm.weight", model.model.norm.weight, "F32")
     linear("output.weight", model.lm_head.weight, 999)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_out(writer, path)
 
 
 def _stacked(

@@ -177,7 +177,10 @@ def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
 
 @pytest.mark.parametrize(
     "types",
-    [{"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"}, {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}],
+    [
+        {"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"},
+        {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"},
+    ],
     ids=["no-qlens-codec", "gate-up-differ"],
 )
 def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog, types):
@@ -210,7 +213,9 @@ def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path):
     fewer = write_gguf_moe(
         model, tmp_path / "fewer.gguf", "qwen3moe", lambda _: "Q8_0", experts_written=3
     )
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\]"):
+    with pytest.raises(
+        ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\]"
+    ):
         _qlens_model(fewer)
     no_down = write_gguf_moe(
         model, tmp_path / "no-down.gguf", "qwen3moe", lambda _: "Q8_0",
