@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 PARTS = ("gate", "up", "down")
+FLOAT_TYPES = {0, 1, 30}  # GGML F32, F16, BF16: float in the file already
 
 
 def expert_tensor_base(name: str) -> str | None:
@@ -82,31 +83,29 @@ def place_experts(
     if types["gate"] == types["up"] and all(t in GGML_TYPES for t in types.values()):
         model.set_submodule(module_name, _packed_experts(by_part, types, activation))
         return
-    logger.warning(
-        "%s: %s are %s; qlens keeps experts packed only when gate and up share a type it has a "
-        "codec for, so gguf-py dequantizes them to %s",
-        file_name,
-        module_name,
-        ", ".join(f"{by_part[p].name} {by_part[p].tensor_type.name}" for p in PARTS),
-        dtype,
-    )
+    if not set(types.values()) <= FLOAT_TYPES:
+        logger.warning(
+            "%s: %s are %s; qlens keeps experts packed only when gate and up share a type it has "
+            "a codec for, so gguf-py dequantizes them to %s",
+            file_name,
+            module_name,
+            ", ".join(f"{by_part[p].name} {by_part[p].tensor_type.name}" for p in PARTS),
+            dtype,
+        )
     _put_float_experts(model, module_name, by_part, dtype)
 
 
-def _blocks(tensor: Any) -> torch.Tensor:
+def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: str) -> nn.Module:
     import numpy as np
 
-    return torch.from_numpy(np.array(tensor.data, copy=True))
-
-
-def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: str) -> nn.Module:
     from qlens.modules import ExpertGate, QuantExperts
     from qlens.quant.adopt.higgs_gguf import gguf_payload
 
-    gate_up_blocks = torch.cat([_blocks(by_part["gate"]), _blocks(by_part["up"])], dim=1)
-    gate_up = gguf_payload(gate_up_blocks, types["gate"])
+    # One copy out of the file each: uint8 [experts, rows, row_bytes], gate rows above up rows.
+    gate_up_blocks = np.concatenate([by_part["gate"].data, by_part["up"].data], axis=1)
+    gate_up = gguf_payload(torch.from_numpy(gate_up_blocks), types["gate"])
     gate_up.layout["gate_up"] = "stacked"
-    down = gguf_payload(_blocks(by_part["down"]), types["down"])
+    down = gguf_payload(torch.from_numpy(np.array(by_part["down"].data)), types["down"])
     return QuantExperts(gate_up, down, ExpertGate("stacked", activation))
 
 

@@ -162,6 +162,21 @@ def test_dequantize_on_load_gives_transformers_float_experts(files):
         assert torch.equal(tensor, reference[name]), name
 
 
+def test_bfloat16_load_rounds_like_transformers(files):
+    path = files["qwen3moe", "mixed"]
+    model = load_gguf_packed(path, dtype=torch.bfloat16, device=None)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16, local_files_only=True
+    )
+    for index, layer in enumerate(model.model.layers):
+        theirs = reference.model.layers[index].mlp.experts
+        for leaf, values in qlens.dequantize(layer.mlp.experts, torch.bfloat16).items():
+            assert torch.equal(values, getattr(theirs, leaf)), f"layer {index} {leaf}"
+    floats = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, floats[name]), name
+
+
 def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
     save_quantized(bridge, tmp_path)
     reloaded = load_quantized(tmp_path)
@@ -176,14 +191,15 @@ def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "types",
+    ("types", "logged"),
     [
-        {"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"},
-        {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"},
+        ({"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"}, True),
+        ({"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}, True),
+        ({"gate": "F16", "up": "F16", "down": "F32"}, False),  # float in the file: nothing lost
     ],
-    ids=["no-qlens-codec", "gate-up-differ"],
+    ids=["no-qlens-codec", "gate-up-differ", "float"],
 )
-def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog, types):
+def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog, types, logged):
     def type_of(name: str) -> str:
         kind = name.split(".")[-2]
         return types[kind[4:-5]] if kind.endswith("_exps") else "Q8_0"
@@ -191,10 +207,10 @@ def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog
     path = write_gguf_moe(make_gguf_moe("qwen3moe"), tmp_path / "tiny.gguf", "qwen3moe", type_of)
     with caplog.at_level(logging.WARNING, logger="qlens.gguf_experts"):
         model = _qlens_model(path)
-    logged = caplog.text
     for index in range(N_LAYERS):
         for part, kind in types.items():
-            assert f"blk.{index}.ffn_{part}_exps.weight {kind}" in logged
+            line = f"blk.{index}.ffn_{part}_exps.weight {kind}"
+            assert (line in caplog.text) == logged, line
     expected = gguf_py_values(gguf.GGUFReader(str(path)))
     reference = dict(_transformers_float(path).named_parameters())
     for index, layer in enumerate(model.model.layers):
