@@ -97,6 +97,10 @@ def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, case):
     assert audit_weights(model).formats == formats
     experts_rows = [r for r in audit_weights(model).rows if ".mlp.experts." in r.name]
     assert len(experts_rows) == 2 * N_LAYERS and not any(r.readable for r in experts_rows)
+    for row in experts_rows:  # each row's reason names its own packed codes
+        experts = model.get_submodule(row.name.rpartition(".")[0])
+        codes = experts.payload_for(row.name.rpartition(".")[2]).data
+        assert f"torch.uint8 and shape {list(codes.shape)}" in row.reason, row
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
