@@ -51,9 +51,11 @@ def place_experts(
     activation: str,
     dtype: torch.dtype,
     file_name: str,
+    file_width: int | None = None,
 ) -> None:
     """Put one layer's expert tensors (gguf-py ``ReaderTensor``s) at ``module_name``: a
-    ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed."""
+    ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed.
+    ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree."""
     from qlens.quant.codecs.gguf import GGML_TYPES
 
     by_part = {_part(t.name): t for t in tensors}
@@ -62,23 +64,7 @@ def place_experts(
         layer = EXPERT_TENSOR.fullmatch(tensors[0].name)["layer"]  # type: ignore[index]
         names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
         raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
-    module = model.get_submodule(module_name)
-    num_experts, two_i, hidden = (int(s) for s in module.get_parameter("gate_up_proj").shape)
-    intermediate = two_i // 2
-    expected = {
-        "gate": (num_experts, intermediate, hidden),
-        "up": (num_experts, intermediate, hidden),
-        "down": (num_experts, hidden, intermediate),
-    }
-    for part, tensor in by_part.items():
-        shape = _logical_shape(tensor)
-        if shape != expected[part]:
-            raise ValueError(
-                f"{file_name}: {tensor.name} has shape {list(shape)} [experts, out, in], but the "
-                f"model built from the file's config expects {list(expected[part])} at "
-                f"{module_name} (num_experts={num_experts}, moe_intermediate_size={intermediate}, "
-                f"hidden_size={hidden}); the file does not match its own metadata"
-            )
+    _check_shapes(model, module_name, by_part, file_name, file_width)
     types = {part: int(t.tensor_type) for part, t in by_part.items()}
     if types["gate"] == types["up"] and all(t in GGML_TYPES for t in types.values()):
         model.set_submodule(module_name, _packed_experts(by_part, types, activation))
@@ -93,6 +79,43 @@ def place_experts(
             dtype,
         )
     _put_float_experts(model, module_name, by_part, dtype)
+
+
+def _check_shapes(
+    model: nn.Module,
+    module_name: str,
+    by_part: dict[str, Any],
+    file_name: str,
+    file_width: int | None,
+) -> None:
+    """Raise naming the first expert tensor whose shape the model's experts module does not take."""
+    gate_up_shape = model.get_submodule(module_name).get_parameter("gate_up_proj").shape
+    num_experts, two_i, hidden = (int(s) for s in gate_up_shape)
+    intermediate = two_i // 2
+    expected = {
+        "gate": (num_experts, intermediate, hidden),
+        "up": (num_experts, intermediate, hidden),
+        "down": (num_experts, hidden, intermediate),
+    }
+    for part in PARTS:
+        tensor = by_part[part]
+        shape = _logical_shape(tensor)
+        if shape == expected[part]:
+            continue
+        if file_width is not None and file_width != intermediate:
+            why = (
+                f"the file's expert_feed_forward_length is {file_width}, but transformers' GGUF "
+                f"config reader does not read it and keeps moe_intermediate_size={intermediate} "
+                "(the config class's default), so neither qlens nor transformers can load this file"
+            )
+        else:
+            why = "the file does not match its own metadata"
+        raise ValueError(
+            f"{file_name}: {tensor.name} has shape {list(shape)} [experts, out, in], but the model "
+            f"built from the file's config expects {list(expected[part])} at {module_name} "
+            f"(num_experts={num_experts}, moe_intermediate_size={intermediate}, "
+            f"hidden_size={hidden}): {why}"
+        )
 
 
 def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: str) -> nn.Module:

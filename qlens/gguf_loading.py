@@ -118,6 +118,11 @@ def _field(reader: Any, key: str) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
+def _int_field(reader: Any, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return None if field is None else int(field.parts[field.data[0]][0])
+
+
 def _load_with_transformers(path: Path, dtype: torch.dtype) -> nn.Module:
     """transformers' loader with qlens' kernel lent (packed where transformers keeps blocks)."""
     from transformers import AutoModelForCausalLM
@@ -196,10 +201,11 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
+    file_width = _int_field(reader, f"{architecture}.expert_feed_forward_length")
     for module_name, tensors in experts.items():
         place_experts(
             model, module_name, tensors, activation=str(config.hidden_act), dtype=dtype,
-            file_name=path.name,
+            file_name=path.name, file_width=file_width,
         )  # fmt: skip
         loaded.update(f"{module_name}.{leaf}" for leaf in ("gate_up_proj", "down_proj"))
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():

@@ -39,14 +39,15 @@ def moe_type_of(kind: str) -> Callable[[str], str]:
     return lambda _: kind
 
 
-def make_gguf_moe(arch: str, seed: int = 0) -> PreTrainedModel:
-    """A random MoE of ``arch`` (GGUF name) with the sizes its GGUF file can describe."""
+def make_gguf_moe(arch: str, seed: int = 0, expert_width: int | None = None) -> PreTrainedModel:
+    """A random MoE of ``arch`` (GGUF name) with the sizes its GGUF file can describe
+    (``expert_width``: experts of another width, which transformers' GGUF reader ignores)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=64,
         hidden_size=HIDDEN,
         intermediate_size=512,
-        moe_intermediate_size=MOE_INTERMEDIATE[arch],
+        moe_intermediate_size=expert_width or MOE_INTERMEDIATE[arch],
         num_hidden_layers=N_LAYERS,
         num_attention_heads=N_HEADS,
         num_key_value_heads=N_KV_HEADS,

@@ -234,9 +234,19 @@ def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path):
         model, tmp_path / "fewer.gguf", "qwen3moe", lambda _: "Q8_0", experts_written=3
     )
     with pytest.raises(
-        ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\]"
-    ):
+        ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\] .* "
+        r"expects \[4, 768, 256\] .*: the file does not match its own metadata",
+    ):  # fmt: skip
         _qlens_model(fewer)
+    wider = write_gguf_moe(
+        make_gguf_moe("qwen3moe", expert_width=512), tmp_path / "wider.gguf", "qwen3moe",
+        lambda _: "Q8_0",
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* the file's "
+        r"expert_feed_forward_length is 512, but transformers' GGUF config reader does not read it",
+    ):  # fmt: skip
+        _qlens_model(wider)
     no_down = write_gguf_moe(
         model, tmp_path / "no-down.gguf", "qwen3moe", lambda _: "Q8_0",
         omit=("blk.1.ffn_down_exps.weight",),
