@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,8 @@ def _load_with_qlens_reader(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
-    expected = set(model.state_dict())
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    expected = set(shapes)
     loaded: set[str] = set()
     experts: dict[str, list[Any]] = {}
     for tensor in reader.tensors:
@@ -187,6 +189,8 @@ def _load_with_qlens_reader(
         owner = model.get_submodule(owner_name)
         type_id = int(tensor.tensor_type)
         if type_id in GGML_TYPES and type(owner) is nn.Linear and leaf == "weight":
+            *lead, cols = reversed(tensor.shape.tolist())  # a [1, H] gate may be stored as [H]
+            _require_shape(path, tensor.name, key, (math.prod(lead), cols), shapes[key])
             rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
             rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
             rows = rows.reshape(owner.out_features, -1)  # Qwen2-MoE's [1, H] shared-expert gate
@@ -198,6 +202,7 @@ def _load_with_qlens_reader(
         else:
             values = gguf_dequantize(tensor.data, tensor.tensor_type)
             values = processor.process(weights=values, name=tensor.name).weights
+            _require_shape(path, tensor.name, key, values.shape, shapes[key])
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
@@ -219,6 +224,17 @@ def _load_with_qlens_reader(
             "random values."
         )
     return model
+
+
+def _require_shape(
+    path: Path, tensor_name: str, key: str, shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    if tuple(int(s) for s in shape) != tuple(expected):
+        raise ValueError(
+            f"{path.name}: {tensor_name} holds a {list(shape)} weight, but {key} of the model "
+            f"built from the file's config is {list(expected)}; the file does not match the "
+            "config transformers reads from its metadata"
+        )
 
 
 def _experts_key(

@@ -39,9 +39,12 @@ def moe_type_of(kind: str) -> Callable[[str], str]:
     return lambda _: kind
 
 
-def make_gguf_moe(arch: str, seed: int = 0, expert_width: int | None = None) -> PreTrainedModel:
+def make_gguf_moe(
+    arch: str, seed: int = 0, expert_width: int | None = None, shared_width: int | None = None
+) -> PreTrainedModel:
     """A random MoE of ``arch`` (GGUF name) with the sizes its GGUF file can describe
-    (``expert_width``: experts of another width, which transformers' GGUF reader ignores)."""
+    (``expert_width`` / ``shared_width``: experts or a Qwen2-MoE shared expert of another width,
+    which transformers' GGUF config reader ignores)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=64,
@@ -61,7 +64,9 @@ def make_gguf_moe(arch: str, seed: int = 0, expert_width: int | None = None) -> 
     if arch == "qwen3moe":
         config = Qwen3MoeConfig(**common, head_dim=HIDDEN // N_HEADS, norm_topk_prob=True)
         return Qwen3MoeForCausalLM(config).eval()
-    config = Qwen2MoeConfig(**common, shared_expert_intermediate_size=SHARED_INTERMEDIATE)
+    config = Qwen2MoeConfig(
+        **common, shared_expert_intermediate_size=shared_width or SHARED_INTERMEDIATE
+    )
     return Qwen2MoeForCausalLM(config).eval()
 
 

@@ -255,6 +255,17 @@ def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path):
         _qlens_model(no_down)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "F32"])  # a packed linear, a float one
+def test_linears_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, kind):
+    model = make_gguf_moe("qwen2moe", shared_width=512)  # the config reads 5632
+    path = write_gguf_moe(model, tmp_path / "shared.gguf", "qwen2moe", lambda _: kind)
+    with pytest.raises(
+        ValueError, match=r"shared\.gguf: blk\.0\.ffn_gate_shexp\.weight holds a \[512, 256\] "
+        r"weight, but model\.layers\.0\.mlp\.shared_expert\.gate_proj\.weight .* is \[5632, 256\]",
+    ):  # fmt: skip
+        _qlens_model(path)
+
+
 def test_llama_file_with_stacked_experts_is_refused(tmp_path):
     experts = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 512, 256), dtype=np.float32)}
     path = write_gguf_llama(make_gguf_llama(), tmp_path / "mixtral.gguf", lambda _: "Q8_0", experts)
