@@ -228,31 +228,37 @@ def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog
         assert torch.equal(tensor, reference[name]), name
 
 
-def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path):
-    model = make_gguf_moe("qwen3moe")
-    fewer = write_gguf_moe(
-        model, tmp_path / "fewer.gguf", "qwen3moe", lambda _: "Q8_0", experts_written=3
-    )
-    with pytest.raises(
-        ValueError, match=r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\] .* "
-        r"expects \[4, 768, 256\] .*: the file does not match its own metadata",
-    ):  # fmt: skip
-        _qlens_model(fewer)
-    wider = write_gguf_moe(
-        make_gguf_moe("qwen3moe", expert_width=512), tmp_path / "wider.gguf", "qwen3moe",
-        lambda _: "Q8_0",
+# model kwargs, write kwargs, the error
+BROKEN = {
+    "fewer-experts": (
+        {},
+        {"experts_written": 3},
+        r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\] .* expects \[4, 768, 256\] "
+        r".*: the file does not match its own metadata",
+    ),
+    "wider-experts": (
+        {"expert_width": 512},
+        {},
+        r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* the file's expert_feed_forward_length "
+        r"is 512, but transformers' GGUF config reader does not read it",
+    ),
+    "no-down": (
+        {},
+        {"omit": ("blk.1.ffn_down_exps.weight",)},
+        r"broken\.gguf lacks blk\.1\.ffn_down_exps\.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, case):
+    model_kwargs, write_kwargs, error = BROKEN[case]
+    path = write_gguf_moe(
+        make_gguf_moe("qwen3moe", **model_kwargs), tmp_path / "broken.gguf", "qwen3moe",
+        lambda _: "Q8_0", **write_kwargs,
     )  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* the file's "
-        r"expert_feed_forward_length is 512, but transformers' GGUF config reader does not read it",
-    ):  # fmt: skip
-        _qlens_model(wider)
-    no_down = write_gguf_moe(
-        model, tmp_path / "no-down.gguf", "qwen3moe", lambda _: "Q8_0",
-        omit=("blk.1.ffn_down_exps.weight",),
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"no-down\.gguf lacks blk\.1\.ffn_down_exps\.weight"):
-        _qlens_model(no_down)
+    with pytest.raises(ValueError, match=error):
+        _qlens_model(path)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "F32"])  # a packed linear, a float one
