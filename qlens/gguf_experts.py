@@ -33,10 +33,10 @@ def expert_tensor_base(name: str) -> str | None:
     return None if match is None else name.removesuffix(".weight")
 
 
-def _part(name: str) -> str:
+def _layer_and_part(name: str) -> tuple[str, str]:
     match = EXPERT_TENSOR.fullmatch(name)
     assert match is not None, name
-    return match["part"]
+    return match["layer"], match["part"]
 
 
 def _logical_shape(tensor: Any) -> tuple[int, ...]:
@@ -58,10 +58,10 @@ def place_experts(
     ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree."""
     from qlens.quant.codecs.gguf import GGML_TYPES
 
-    by_part = {_part(t.name): t for t in tensors}
+    by_part = {_layer_and_part(t.name)[1]: t for t in tensors}
     missing = [p for p in PARTS if p not in by_part]
     if missing:
-        layer = EXPERT_TENSOR.fullmatch(tensors[0].name)["layer"]  # type: ignore[index]
+        layer, _ = _layer_and_part(tensors[0].name)
         names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
         raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
     _check_shapes(model, module_name, by_part, file_name, file_width)
