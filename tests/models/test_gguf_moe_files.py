@@ -141,6 +141,28 @@ def bridge(files):
     return qlens.load(files["qwen3moe", "Q4_0"], tokenizer=make_tiny_tokenizer())
 
 
+def test_moe_hooks_see_what_transformers_computes(bridge, files):
+    reference = _transformers_float(files["qwen3moe", "Q4_0"])
+    seen: dict[str, torch.Tensor] = {}
+    layer = reference.model.layers[1].mlp
+    handles = [
+        layer.register_forward_hook(lambda _m, _i, out: seen.update(mlp=out)),
+        layer.gate.register_forward_hook(lambda _m, _i, out: seen.update(router=out[0])),
+    ]
+    try:
+        with torch.no_grad():
+            reference(TOKENS)
+            _, cache = bridge.run_with_cache(TOKENS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the router's float logits on the same residual; the experts' sum as in the logits test
+    mlp_out, router = cache["blocks.1.hook_mlp_out"][0], cache["blocks.1.mlp.hook_router_logits"]
+    torch.testing.assert_close(router.reshape(seen["router"].shape), seen["router"])
+    scale = seen["mlp"].abs().max().item()
+    torch.testing.assert_close(mlp_out, seen["mlp"][0], rtol=0, atol=1e-5 * scale)
+
+
 def test_expert_weight_reads_are_guarded(bridge, files):
     reference = _transformers_float(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
     for read in (W_in, W_gate, W_out):
