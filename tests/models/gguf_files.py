@@ -52,6 +52,15 @@ def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def transformers_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' own GGUF load of ``path`` (it dequantizes every tensor with gguf-py)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+    ).eval()
+
+
 def gguf_py_values(reader: object) -> dict[str, np.ndarray]:
     """gguf-py's dequantization of every tensor in a file, keyed by GGUF name."""
     from gguf.quants import dequantize

@@ -13,7 +13,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import gguf_py_values, make_gguf_llama, write_gguf_llama  # noqa: E402
+from gguf_files import (  # noqa: E402
+    gguf_py_values,
+    make_gguf_llama,
+    transformers_gguf_model,
+    write_gguf_llama,
+)
 from gguf_moe_files import (  # noqa: E402
     N_LAYERS,
     NUM_EXPERTS,
@@ -22,7 +27,6 @@ from gguf_moe_files import (  # noqa: E402
     write_gguf_moe,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.gguf_loading import load_gguf_packed  # noqa: E402
@@ -58,12 +62,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Pat
 def _qlens_model(path: Path) -> torch.nn.Module:
     """What ``qlens.load`` wraps (qlens has no bridge adapter for Qwen2-MoE)."""
     return load_gguf_packed(path, dtype=torch.float32, device=None)
-
-
-def _transformers_float(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-    ).eval()
 
 
 def _file_types(path: Path) -> dict[str, str]:
@@ -107,7 +105,7 @@ def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, case):
 def test_qlens_predicts_like_transformers_gguf_loader(files, case):
     arch, _ = case
     path = files[case]
-    reference = _transformers_float(path)
+    reference = transformers_gguf_model(path)
     model = _qlens_model(path)
     packed = 0
     for name, module in model.named_modules():
@@ -142,7 +140,7 @@ def bridge(files):
 
 
 def test_moe_hooks_see_what_transformers_computes(bridge, files):
-    reference = _transformers_float(files["qwen3moe", "Q4_0"])
+    reference = transformers_gguf_model(files["qwen3moe", "Q4_0"])
     seen: dict[str, torch.Tensor] = {}
     layer = reference.model.layers[1].mlp
     handles = [
@@ -164,7 +162,7 @@ def test_moe_hooks_see_what_transformers_computes(bridge, files):
 
 
 def test_expert_weight_reads_are_guarded(bridge, files):
-    reference = _transformers_float(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
+    reference = transformers_gguf_model(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
     for read in (W_in, W_gate, W_out):
         with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
             read(bridge, 0)
@@ -183,7 +181,7 @@ def test_dequantize_on_load_gives_transformers_float_experts(files):
     path = files["qwen3moe", "mixed"]
     floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
     assert not any(isinstance(m, (QuantExperts, QuantLinear)) for m in floats.model.modules())
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     for name, tensor in floats.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
 
@@ -191,9 +189,7 @@ def test_dequantize_on_load_gives_transformers_float_experts(files):
 def test_bfloat16_load_rounds_like_transformers(files):
     path = files["qwen3moe", "mixed"]
     model = load_gguf_packed(path, dtype=torch.bfloat16, device=None)
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16, local_files_only=True
-    )
+    reference = transformers_gguf_model(path, torch.bfloat16)
     for index, layer in enumerate(model.model.layers):
         theirs = reference.model.layers[index].mlp.experts
         for leaf, values in qlens.dequantize(layer.mlp.experts, torch.bfloat16).items():
@@ -238,7 +234,7 @@ def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog
             line = f"blk.{index}.ffn_{part}_exps.weight {kind}"
             assert (line in caplog.text) == logged, line
     expected = gguf_py_values(gguf.GGUFReader(str(path)))
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     for index, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
         assert not isinstance(experts, QuantExperts)

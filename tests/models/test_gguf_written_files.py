@@ -18,10 +18,10 @@ from gguf_files import (  # noqa: E402
     gguf_py_values,
     make_gguf_llama,
     permute_rows,
+    transformers_gguf_model,
     write_gguf_llama,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.modules import QuantLinear  # noqa: E402
@@ -50,12 +50,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     written["mixed"] = write_gguf_llama(model, folder / "tiny-mixed.gguf", _mixed_type)
     return written
-
-
-def _transformers_float(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-    ).eval()
 
 
 def _file_type(reader: object, name: str) -> str:
@@ -101,7 +95,7 @@ def test_linears_stay_gguf_blocks_that_decode_to_gguf_py_values(files, kind):
 def test_bridge_predicts_like_transformers_gguf_loader(files, kind):
     path = files[kind]
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
-    reference = _transformers_float(path)
+    reference = transformers_gguf_model(path)
     for name, module in bridge.model.named_modules():
         if isinstance(module, QuantLinear):  # transformers un-permutes q/k rows the same way
             assert torch.equal(qlens.dequantize(module), reference.get_submodule(name).weight), name
@@ -130,7 +124,7 @@ def test_weight_reads_are_guarded_and_dequantize_loads_floats(files, kind):
     with pytest.raises(NotImplementedError, match="read W_Q of layer 0"):
         W_Q(bridge, 0)  # refused again once the context has exited
     floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     assert not any(isinstance(m, QuantLinear) for m in floats.model.modules())
     for name, tensor in floats.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
@@ -142,7 +136,7 @@ def test_types_without_a_qlens_codec_load_as_gguf_py_floats(tmp_path, kind):
     path = write_gguf_llama(make_gguf_llama(), tmp_path / f"tiny-{kind}.gguf", lambda _: kind)
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
     assert not any(isinstance(m, QuantLinear) for m in bridge.model.modules())
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     for name, tensor in bridge.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
     expected = gguf_py_values(gguf.GGUFReader(str(path)))
