@@ -1,22 +1,24 @@
-"""Load a ``.gguf`` file with its quantized linear weights kept as GGUF blocks in qlens modules.
+"""Load a ``.gguf`` file with its quantized weights kept as GGUF blocks in qlens modules.
 
-Llama-architecture files (Llama, SmolLM, Mistral...) and architectures transformers reads without
-a special tensor processor (Qwen2, Qwen3...) are read by qlens: the model is built on the meta
-device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a
-type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put back in
-HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves whole
-rows of blocks) and the rest (embeddings, norms, types qlens has no codec for) is dequantized
-by gguf-py into float. Other architectures (MoE splits, Bloom/GPT-2 reshapes...) go through
-transformers' own GGUF loader; where it keeps blocks packed (``GgufLinear`` / ``GgufExperts``,
-qwen35/lfm2 in transformers 5.x) qlens lends it a kernel computed by qlens' codecs and then
-swaps those modules for qlens ``QuantLinear`` / ``QuantExperts``; elsewhere transformers
-dequantizes, which is logged.
+Llama-architecture files (Llama, SmolLM, Mistral...), Qwen2-MoE / Qwen3-MoE files and
+architectures transformers reads without a special tensor processor (Qwen2, Qwen3...) are read
+by qlens: the model is built on the meta device, transformers' GGUF-to-HF name map places each
+tensor, every quantized linear of a type qlens decodes becomes a ``QuantLinear`` over a GGUF
+payload (Llama's q/k rows put back in HF order exactly as transformers does: GGUF blocks run
+along K, so permuting rows moves whole rows of blocks), each MoE layer's stacked experts a
+``QuantExperts`` (``qlens.gguf_experts``), and the rest (embeddings, norms, routers, types qlens
+has no codec for) is dequantized by gguf-py into float. Other architectures (GPT-OSS and
+MiniMax experts, Bloom/GPT-2 reshapes...) go through transformers' own GGUF loader; where it
+keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
+lends it a kernel computed by qlens' codecs and then swaps those modules for qlens
+``QuantLinear`` / ``QuantExperts``; elsewhere transformers dequantizes, which is logged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,9 +91,10 @@ def load_gguf_packed(
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    # transformers' block-keeping reader, or its legacy one with an architecture-specific
-    # tensor processor (MoE splits, Bloom/GPT-2 reshapes...): transformers reads those.
-    own = architecture in _OWN_READER_ARCHS or architecture not in TENSOR_PROCESSORS
+    # transformers' block-keeping reader, or its legacy one with a tensor processor qlens does not
+    # reproduce (GPT-OSS and MiniMax experts, Bloom/GPT-2 reshapes...): transformers reads those.
+    processor = TENSOR_PROCESSORS.get(architecture)
+    own = processor is None or processor.__name__ == _REPRODUCED_PROCESSORS.get(architecture)
     if own and not is_gguf_arch_supported(architecture):
         model = _load_with_qlens_reader(path, reader, architecture, dtype)
     else:
@@ -101,14 +104,24 @@ def load_gguf_packed(
     return model.eval()
 
 
-# Architectures with a tensor processor that qlens applies to packed rows itself (Llama's q/k
-# row permutation); architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
-_OWN_READER_ARCHS = ("llama",)
+# Architectures whose transformers tensor processor qlens reproduces on packed blocks: Llama's
+# q/k row permutation, Qwen2-MoE/Qwen3-MoE's gate|up stacking of the experts (qlens.gguf_experts).
+# Architectures without a processor (Qwen2/3, Mistral...) are read by qlens too.
+_REPRODUCED_PROCESSORS = {
+    "llama": "LlamaTensorProcessor",
+    "qwen2moe": "Qwen2MoeTensorProcessor",
+    "qwen3moe": "Qwen2MoeTensorProcessor",
+}
 
 
 def _field(reader: Any, key: str) -> str:
     field = reader.fields[key]
     return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _int_field(reader: Any, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return None if field is None else int(field.parts[field.data[0]][0])
 
 
 def _load_with_transformers(path: Path, dtype: torch.dtype) -> nn.Module:
@@ -147,6 +160,7 @@ def _load_with_qlens_reader(
         get_gguf_hf_weights_map,
     )
 
+    from qlens.gguf_experts import expert_tensor_base, place_experts
     from qlens.load_checks import key_list
     from qlens.modules import QuantLinear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
@@ -158,9 +172,16 @@ def _load_with_qlens_reader(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
-    expected = set(model.state_dict())
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    expected = set(shapes)
     loaded: set[str] = set()
+    experts: dict[str, list[Any]] = {}
     for tensor in reader.tensors:
+        experts_base = expert_tensor_base(tensor.name)
+        if experts_base is not None:
+            key = _experts_key(names, experts_base, tensor.name, path, architecture)
+            experts.setdefault(key.rpartition(".")[0], []).append(tensor)
+            continue
         if tensor.name not in names:
             continue
         key = names[tensor.name]
@@ -168,8 +189,11 @@ def _load_with_qlens_reader(
         owner = model.get_submodule(owner_name)
         type_id = int(tensor.tensor_type)
         if type_id in GGML_TYPES and type(owner) is nn.Linear and leaf == "weight":
+            *lead, cols = reversed(tensor.shape.tolist())  # a [1, H] gate may be stored as [H]
+            _require_shape(path, tensor.name, key, (math.prod(lead), cols), shapes[key])
             rows = np.asarray(tensor.data).reshape(owner.out_features, -1)
             rows = processor.process(weights=rows, name=tensor.name).weights  # q/k row order
+            rows = rows.reshape(owner.out_features, -1)  # Qwen2-MoE's [1, H] shared-expert gate
             payload = gguf_payload(torch.from_numpy(np.array(rows, copy=True)), type_id)
             bias: Tensor | None = owner.bias
             if bias is not None and bias.is_meta:  # its tensor comes later and replaces this
@@ -178,9 +202,17 @@ def _load_with_qlens_reader(
         else:
             values = gguf_dequantize(tensor.data, tensor.tensor_type)
             values = processor.process(weights=values, name=tensor.name).weights
+            _require_shape(path, tensor.name, key, values.shape, shapes[key])
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
+    file_width = _int_field(reader, f"{architecture}.expert_feed_forward_length")
+    for module_name, tensors in experts.items():
+        place_experts(
+            model, module_name, tensors, activation=str(config.hidden_act), dtype=dtype,
+            file_name=path.name, file_width=file_width,
+        )  # fmt: skip
+        loaded.update(f"{module_name}.{leaf}" for leaf in ("gate_up_proj", "down_proj"))
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
         if target not in loaded and source in loaded:
             put_tensor(model, target, model.get_parameter(source))
@@ -192,6 +224,32 @@ def _load_with_qlens_reader(
             "random values."
         )
     return model
+
+
+def _require_shape(
+    path: Path, tensor_name: str, key: str, shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    if tuple(int(s) for s in shape) != tuple(expected):
+        raise ValueError(
+            f"{path.name}: {tensor_name} holds a {list(shape)} weight, but {key} of the model "
+            f"built from the file's config is {list(expected)}; the file does not match the "
+            "config transformers reads from its metadata"
+        )
+
+
+def _experts_key(
+    names: dict[str, str], base: str, tensor_name: str, path: Path, architecture: str
+) -> str:
+    """The fused experts parameter transformers' name map gives a stacked expert tensor."""
+    key = names.get(base)
+    if key is None:
+        raise ValueError(
+            f"{path.name} holds stacked expert tensors ({tensor_name}), but the {architecture!r} "
+            "model transformers builds from its metadata has no experts module for them (a "
+            "Mixtral file, written as 'llama', reads as a dense Llama); neither qlens nor "
+            "transformers can load it. Convert the original checkpoint instead."
+        )
+    return key
 
 
 def to_qlens_modules(model: nn.Module) -> int:

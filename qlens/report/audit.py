@@ -125,7 +125,7 @@ def _quantized_module_rows(prefix: str, module: nn.Module, reason: str) -> list[
             format=payload.format.name,
             bits_per_weight=payload.bits_per_weight,
             bytes=payload.nbytes,
-            reason=reason,
+            reason=unreadable_weight_reason(payload.data) or reason,  # this payload's own codes
         )
         for suffix, payload in payloads.items()
     ]

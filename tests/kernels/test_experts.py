@@ -6,7 +6,12 @@ import pytest
 import torch
 from kernel_cases import count_grouped_launches, rel_err
 
+from benchmarks._samples import random_gguf
 from qlens.kernels import dequantize_triton, experts_linear
+from qlens.kernels.experts import expert_views, first_expert_view, rows_through_experts
+from qlens.kernels.plan import LinearPlan
+from qlens.quant.codecs.gguf import GGML_TYPES
+from qlens.quant.codecs.intgroup import repack_to_qlens
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
@@ -113,3 +118,30 @@ def test_dequantize_triton_of_experts_is_bit_exact():
     out = dequantize_triton(payload, torch.bfloat16)
     assert out.shape == (3, 20, 96)
     assert torch.equal(out, dequantize(payload, torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", ("Q4_0", "Q5_1", "Q8_0"))
+def test_gguf_experts_run_each_expert_through_the_dequantize_route(type_name):
+    """An accelerator runs GGUF experts one by one: each expert's view of the ``[experts, out,
+    in]`` blocks through the GGUF dequantize kernel, then a matmul (here in the interpreter)."""
+    ggml_type = next(t for t in GGML_TYPES.values() if t.name == type_name)
+    payload = random_gguf(ggml_type, (3, 16, 64), seed=4)
+    assert first_expert_view(payload) is None  # no one-launch path: expert by expert
+    weights = dequantize(payload, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(6, 64, generator=gen), torch.tensor([2, 0, 2, 1, 0, 2])
+    for expert, view in enumerate(expert_views(payload)):
+        assert view.data.data_ptr() == payload.data[expert].data_ptr()  # a view, no copy
+        assert torch.equal(dequantize_triton(view, torch.float32), weights[expert])
+        rows = x[ids == expert]
+        out = LinearPlan(view, torch.device("cpu"), route="dequantize")(rows)
+        assert rel_err(out, rows.double() @ weights[expert].double().T) < 1e-6
+    ref = torch.einsum("tk,tnk->tn", x.double(), weights.double()[ids])
+    assert rel_err(rows_through_experts(x, payload, ids), ref) < 1e-6
+    # The fused experts kernels read no GGUF blocks; Q4_0 / Q8_0 repack exactly for them.
+    with pytest.raises(ValueError, match="GGUF Q4_0/Q8_0 map onto them exactly"):
+        experts_linear(x, payload, ids)
+    if type_name in ("Q4_0", "Q8_0"):
+        repacked = repack_to_qlens(payload)
+        assert torch.equal(dequantize(repacked, torch.float32), weights)
+        assert rel_err(experts_linear(x, repacked, ids), ref) < 1e-6

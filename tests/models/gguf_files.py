@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 # Types gguf-py's quantize() writes (it has no quantizer for the K-quants).
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
@@ -52,6 +52,25 @@ def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def transformers_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' own GGUF load of ``path`` (it dequantizes every tensor with gguf-py)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+    ).eval()
+
+
+def gguf_py_values(reader: object) -> dict[str, np.ndarray]:
+    """gguf-py's dequantization of every tensor in a file, keyed by GGUF name."""
+    from gguf.quants import dequantize
+
+    return {
+        t.name: dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
+        for t in reader.tensors  # type: ignore[attr-defined]
+    }
+
+
 def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order: each head's two rotary halves interleaved."""
     shape = weights.shape
@@ -76,7 +95,7 @@ def random_k_quant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np
     return blocks.reshape(rows, -1)
 
 
-def _encode(
+def encode_weight(
     name: str, weights: np.ndarray, type_name: str, seed: int
 ) -> tuple[np.ndarray, GGMLQuantizationType]:
     qtype = GGMLQuantizationType[type_name]
@@ -87,24 +106,20 @@ def _encode(
     return quantize(weights, qtype), qtype
 
 
-def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str], str]) -> Path:
-    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type."""
+def write_gguf_llama(
+    model: LlamaForCausalLM,
+    path: Path,
+    type_of: Callable[[str], str],
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type,
+    ``extra`` holds more float32 tensors to write by GGUF name."""
     config = model.config
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, "llama", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
 
     def add(name: str, tensor: torch.Tensor, type_name: str, seed: int = 0) -> None:
-        data, qtype = _encode(name, tensor.detach().float().numpy(), type_name, seed)
+        data, qtype = encode_weight(name, tensor.detach().float().numpy(), type_name, seed)
         writer.add_tensor(name, data, raw_dtype=qtype)
 
     add("token_embd.weight", model.model.embed_tokens.weight, "F32")
@@ -121,6 +136,29 @@ def write_gguf_llama(model: LlamaForCausalLM, path: Path, type_of: Callable[[str
             add(name, weight, type_of(name), seed=100 * index + seed)
     add("output_norm.weight", model.model.norm.weight, "F16")
     add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
+    return write_out(writer, path)
+
+
+def gguf_writer(path: Path, arch: str, config: PretrainedConfig) -> GGUFWriter:
+    """A GGUF writer for ``arch`` holding the metadata every decoder file has, from ``config``."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    return writer
+
+
+def write_out(writer: GGUFWriter, path: Path) -> Path:
+    """Write the header, metadata and tensors ``writer`` holds to ``path``."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

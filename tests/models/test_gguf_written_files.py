@@ -15,12 +15,13 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import (  # noqa: E402
     K_QUANT_F16_OFFSETS,
     QUANTIZABLE,
+    gguf_py_values,
     make_gguf_llama,
     permute_rows,
+    transformers_gguf_model,
     write_gguf_llama,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.modules import QuantLinear  # noqa: E402
@@ -51,22 +52,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return written
 
 
-def _transformers_float(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-    ).eval()
-
-
 def _file_type(reader: object, name: str) -> str:
     return next(t.tensor_type.name for t in reader.tensors if t.name == name)  # type: ignore[attr-defined]
-
-
-def _gguf_values(reader: object) -> dict[str, np.ndarray]:
-    """gguf-py's dequantization of every tensor in the file, keyed by GGUF name."""
-    return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
-        for t in reader.tensors  # type: ignore[attr-defined]
-    }
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -82,7 +69,7 @@ def _gguf_name(hf_name: str) -> str:
 def test_linears_stay_gguf_blocks_that_decode_to_gguf_py_values(files, kind):
     path = files[kind]
     reader = gguf.GGUFReader(str(path))
-    expected = _gguf_values(reader)
+    expected = gguf_py_values(reader)
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
     quantized = {n: m for n, m in bridge.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(quantized) == N_LAYERS * LINEARS_PER_LAYER + 1  # and lm_head
@@ -108,7 +95,7 @@ def test_linears_stay_gguf_blocks_that_decode_to_gguf_py_values(files, kind):
 def test_bridge_predicts_like_transformers_gguf_loader(files, kind):
     path = files[kind]
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
-    reference = _transformers_float(path)
+    reference = transformers_gguf_model(path)
     for name, module in bridge.model.named_modules():
         if isinstance(module, QuantLinear):  # transformers un-permutes q/k rows the same way
             assert torch.equal(qlens.dequantize(module), reference.get_submodule(name).weight), name
@@ -137,7 +124,7 @@ def test_weight_reads_are_guarded_and_dequantize_loads_floats(files, kind):
     with pytest.raises(NotImplementedError, match="read W_Q of layer 0"):
         W_Q(bridge, 0)  # refused again once the context has exited
     floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     assert not any(isinstance(m, QuantLinear) for m in floats.model.modules())
     for name, tensor in floats.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
@@ -149,9 +136,9 @@ def test_types_without_a_qlens_codec_load_as_gguf_py_floats(tmp_path, kind):
     path = write_gguf_llama(make_gguf_llama(), tmp_path / f"tiny-{kind}.gguf", lambda _: kind)
     bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
     assert not any(isinstance(m, QuantLinear) for m in bridge.model.modules())
-    reference = dict(_transformers_float(path).named_parameters())
+    reference = dict(transformers_gguf_model(path).named_parameters())
     for name, tensor in bridge.model.named_parameters():
         assert torch.equal(tensor, reference[name]), name
-    expected = _gguf_values(gguf.GGUFReader(str(path)))
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
     down = bridge.model.model.layers[1].mlp.down_proj.weight.detach().numpy()
     np.testing.assert_array_equal(down, expected["blk.1.ffn_down.weight"])

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
+from qlens.quant.adopt.higgs_gguf import gguf_payload  # noqa: E402
 from qlens.quant.codecs.gguf import (  # noqa: E402
     GGML_TYPES,
     MXFP4,
@@ -25,6 +26,7 @@ from qlens.quant.codecs.gguf import (  # noqa: E402
     gguf_format,
     row_bytes,
 )
+from qlens.quant.expert_payloads import select_expert  # noqa: E402
 from qlens.quant.payload import QuantPayload  # noqa: E402
 
 
@@ -122,6 +124,32 @@ def test_expert_stack_and_input_permutation():
     x = torch.randn(3, 64)
     assert torch.equal(permuted[:, perm], plain[0])
     torch.testing.assert_close(x @ permuted.T, x[:, perm] @ plain[0].T)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ggml_type=st.sampled_from(list(GGML_TYPES.values())),
+    experts=st.integers(1, 3),
+    rows=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_each_expert_of_stacked_blocks_decodes_like_gguf_py(ggml_type, experts, rows, seed):
+    """``[experts, rows, row_bytes]`` blocks (a GGUF ``ffn_*_exps`` tensor): the stacked payload
+    and each expert's view (``select_expert``) decode to gguf-py's values of that expert."""
+    cols = 2 * ggml_type.block_size
+    qtype = gguf.GGMLQuantizationType(ggml_type.type_id)
+    if ggml_type.block_size == 256:  # K-quants: gguf-py has no quantizer
+        packed = _random_blocks(ggml_type, experts * rows, cols, seed).reshape(experts, rows, -1)
+    else:
+        weight = np.random.default_rng(seed).standard_normal((experts, rows, cols)) * 0.05
+        packed = gguf.quants.quantize(weight.astype(np.float32), qtype)
+    payload = gguf_payload(torch.from_numpy(packed), ggml_type.type_id)
+    assert tuple(payload.shape) == (experts, rows, cols)
+    stacked = dequantize_gguf(payload, torch.float32)
+    for expert in range(experts):
+        expected = torch.from_numpy(gguf.quants.dequantize(packed[expert], qtype))
+        assert torch.equal(stacked[expert], expected)
+        assert torch.equal(dequantize_gguf(select_expert(payload, expert), torch.float32), expected)
 
 
 def test_rejects_bad_payloads():

@@ -1,0 +1,151 @@
+"""A GGUF file's stacked expert tensors placed in the model as qlens ``QuantExperts``.
+
+llama.cpp writes each MoE layer's routed experts as three tensors ``blk.N.ffn_gate_exps`` /
+``ffn_up_exps`` / ``ffn_down_exps`` of logical shape ``[experts, out, in]``. transformers'
+``Qwen2MoeTensorProcessor`` (qwen2moe, qwen3moe) stacks gate above up per expert into the fused
+module's ``gate_up_proj [experts, 2 * intermediate, hidden]`` and takes down as ``down_proj
+[experts, hidden, intermediate]``. GGML blocks run along the input dim, so stacking rows stacks
+whole rows of blocks: qlens concatenates the packed gate and up rows the same way and keeps
+them as GGUF payloads. Experts whose gate and up differ in type, or of a type qlens has no codec
+for, are dequantized by gguf-py exactly as transformers does (and logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
+PARTS = ("gate", "up", "down")
+FLOAT_TYPES = {0, 1, 30}  # GGML F32, F16, BF16: float in the file already
+
+
+def expert_tensor_base(name: str) -> str | None:
+    """``blk.N.ffn_gate_exps`` for ``blk.N.ffn_gate_exps.weight`` (the key transformers' name
+    map uses for stacked experts), ``None`` for any other tensor."""
+    match = EXPERT_TENSOR.fullmatch(name)
+    return None if match is None else name.removesuffix(".weight")
+
+
+def _layer_and_part(name: str) -> tuple[str, str]:
+    match = EXPERT_TENSOR.fullmatch(name)
+    assert match is not None, name
+    return match["layer"], match["part"]
+
+
+def _logical_shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in reversed(tensor.shape.tolist()))
+
+
+def place_experts(
+    model: nn.Module,
+    module_name: str,
+    tensors: list[Any],
+    *,
+    activation: str,
+    dtype: torch.dtype,
+    file_name: str,
+    file_width: int | None = None,
+) -> None:
+    """Put one layer's expert tensors (gguf-py ``ReaderTensor``s) at ``module_name``: a
+    ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed.
+    ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree."""
+    from qlens.quant.codecs.gguf import GGML_TYPES
+
+    by_part = {_layer_and_part(t.name)[1]: t for t in tensors}
+    missing = [p for p in PARTS if p not in by_part]
+    if missing:
+        layer, _ = _layer_and_part(tensors[0].name)
+        names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
+        raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
+    _check_shapes(model, module_name, by_part, file_name, file_width)
+    types = {part: int(t.tensor_type) for part, t in by_part.items()}
+    if types["gate"] == types["up"] and all(t in GGML_TYPES for t in types.values()):
+        model.set_submodule(module_name, _packed_experts(by_part, types, activation))
+        return
+    if not set(types.values()) <= FLOAT_TYPES:
+        logger.warning(
+            "%s: %s are %s; qlens keeps experts packed only when gate and up share a type it has "
+            "a codec for, so gguf-py dequantizes them to %s",
+            file_name,
+            module_name,
+            ", ".join(f"{by_part[p].name} {by_part[p].tensor_type.name}" for p in PARTS),
+            dtype,
+        )
+    _put_float_experts(model, module_name, by_part, dtype)
+
+
+def _check_shapes(
+    model: nn.Module,
+    module_name: str,
+    by_part: dict[str, Any],
+    file_name: str,
+    file_width: int | None,
+) -> None:
+    """Raise naming the first expert tensor whose shape the model's experts module does not take."""
+    gate_up_shape = model.get_submodule(module_name).get_parameter("gate_up_proj").shape
+    num_experts, two_i, hidden = (int(s) for s in gate_up_shape)
+    intermediate = two_i // 2
+    expected = {
+        "gate": (num_experts, intermediate, hidden),
+        "up": (num_experts, intermediate, hidden),
+        "down": (num_experts, hidden, intermediate),
+    }
+    for part in PARTS:
+        tensor = by_part[part]
+        shape = _logical_shape(tensor)
+        if shape == expected[part]:
+            continue
+        if file_width is not None and file_width != intermediate:
+            why = (
+                f"the file's expert_feed_forward_length is {file_width}, but transformers' GGUF "
+                f"config reader does not read it and keeps moe_intermediate_size={intermediate} "
+                "(the config class's default), so neither qlens nor transformers can load this file"
+            )
+        else:
+            why = "the file does not match its own metadata"
+        raise ValueError(
+            f"{file_name}: {tensor.name} has shape {list(shape)} [experts, out, in], but the model "
+            f"built from the file's config expects {list(expected[part])} at {module_name} "
+            f"(num_experts={num_experts}, moe_intermediate_size={intermediate}, "
+            f"hidden_size={hidden}): {why}"
+        )
+
+
+def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: str) -> nn.Module:
+    import numpy as np
+
+    from qlens.modules import ExpertGate, QuantExperts
+    from qlens.quant.adopt.higgs_gguf import gguf_payload
+
+    # One copy out of the file each: uint8 [experts, rows, row_bytes], gate rows above up rows.
+    gate_up_blocks = np.concatenate([by_part["gate"].data, by_part["up"].data], axis=1)
+    gate_up = gguf_payload(torch.from_numpy(gate_up_blocks), types["gate"])
+    gate_up.layout["gate_up"] = "stacked"
+    down = gguf_payload(torch.from_numpy(np.array(by_part["down"].data)), types["down"])
+    return QuantExperts(gate_up, down, ExpertGate("stacked", activation))
+
+
+def _put_float_experts(
+    model: nn.Module, module_name: str, by_part: dict[str, Any], dtype: torch.dtype
+) -> None:
+    import numpy as np
+    from gguf import dequantize as gguf_dequantize
+
+    from qlens.quantize_on_load import put_tensor
+
+    def values(part: str) -> np.ndarray:
+        tensor = by_part[part]
+        return gguf_dequantize(tensor.data, tensor.tensor_type)
+
+    gate_up = np.concatenate([values("gate"), values("up")], axis=1)
+    put_tensor(model, f"{module_name}.gate_up_proj", torch.from_numpy(gate_up).to(dtype))
+    put_tensor(
+        model, f"{module_name}.down_proj", torch.from_numpy(np.copy(values("down"))).to(dtype)
+    )

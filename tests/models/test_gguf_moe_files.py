@@ -1,0 +1,297 @@
+"""`qlens.load` on MoE GGUF files written by gguf-py (tiny random Qwen3-MoE / Qwen2-MoE): the
+stacked experts stay GGUF blocks in ``QuantExperts`` that decode to exactly gguf-py's values, and
+the model predicts like transformers' own (dequantizing) GGUF loader."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf_files import (  # noqa: E402
+    gguf_py_values,
+    make_gguf_llama,
+    transformers_gguf_model,
+    write_gguf_llama,
+)
+from gguf_moe_files import (  # noqa: E402
+    N_LAYERS,
+    NUM_EXPERTS,
+    make_gguf_moe,
+    moe_type_of,
+    write_gguf_moe,
+)
+from model_fixtures import make_tiny_tokenizer  # noqa: E402
+
+import qlens  # noqa: E402
+from qlens.gguf_loading import load_gguf_packed  # noqa: E402
+from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
+from qlens.modules.serialization import load_quantized, save_quantized  # noqa: E402
+from qlens.report.audit import audit_weights  # noqa: E402
+from qlens.weights import W_gate, W_in, W_out  # noqa: E402
+
+# Qwen3-MoE: one type everywhere, or llama.cpp's Q4_K_M-like mix (gguf_moe_files.MIXED).
+# Qwen2-MoE's experts are 1408 wide (its config default), not whole 256-weight K-quant blocks.
+CASES = (
+    ("qwen3moe", "Q8_0"),
+    ("qwen3moe", "Q4_0"),
+    ("qwen3moe", "mixed"),
+    ("qwen2moe", "Q8_0"),
+    ("qwen2moe", "Q4_0"),
+)
+TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    folder = tmp_path_factory.mktemp("gguf_moe")
+    models = {arch: make_gguf_moe(arch) for arch in {arch for arch, _ in CASES}}
+    return {
+        (arch, kind): write_gguf_moe(
+            models[arch], folder / f"tiny-{arch}-{kind}.gguf", arch, moe_type_of(kind)
+        )
+        for arch, kind in CASES
+    }
+
+
+def _qlens_model(path: Path) -> torch.nn.Module:
+    """What ``qlens.load`` wraps (qlens has no bridge adapter for Qwen2-MoE)."""
+    return load_gguf_packed(path, dtype=torch.float32, device=None)
+
+
+def _file_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, case):
+    path = files[case]
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
+    types = _file_types(path)
+    model = _qlens_model(path)
+    assert not [n for n, p in model.named_parameters() if p.ndim == 3]  # no float experts
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert isinstance(experts, QuantExperts)
+        assert (experts.num_experts, experts.gate.layout) == (NUM_EXPERTS, "stacked")
+        blk = f"blk.{index}"
+        for name, payload in experts.payload.items():
+            part = "gate" if name == "gate_up_proj" else "down"
+            file_type = types[f"{blk}.ffn_{part}_exps.weight"]
+            assert payload.format.name == f"gguf_{file_type.lower()}", name
+            assert payload.data.dtype == torch.uint8, name
+        values = qlens.dequantize(experts)
+        gate, up = values["gate_up_proj"].chunk(2, dim=1)
+        np.testing.assert_array_equal(gate.numpy(), expected[f"{blk}.ffn_gate_exps.weight"])
+        np.testing.assert_array_equal(up.numpy(), expected[f"{blk}.ffn_up_exps.weight"])
+        down = values["down_proj"].numpy()
+        np.testing.assert_array_equal(down, expected[f"{blk}.ffn_down_exps.weight"])
+    formats = sorted({f"gguf_{t.lower()}" for t in types.values() if t not in ("F32", "F16")})
+    assert audit_weights(model).formats == formats
+    experts_rows = [r for r in audit_weights(model).rows if ".mlp.experts." in r.name]
+    assert len(experts_rows) == 2 * N_LAYERS and not any(r.readable for r in experts_rows)
+    for row in experts_rows:  # each row's reason names its own packed codes
+        experts = model.get_submodule(row.name.rpartition(".")[0])
+        codes = experts.payload_for(row.name.rpartition(".")[2]).data
+        assert f"torch.uint8 and shape {list(codes.shape)}" in row.reason, row
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_qlens_predicts_like_transformers_gguf_loader(files, case):
+    arch, _ = case
+    path = files[case]
+    reference = transformers_gguf_model(path)
+    model = _qlens_model(path)
+    packed = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            assert torch.equal(qlens.dequantize(module), reference.get_submodule(name).weight)
+            packed += 1
+        elif isinstance(module, QuantExperts):
+            theirs = reference.get_submodule(name)
+            for leaf, values in qlens.dequantize(module).items():
+                assert torch.equal(values, getattr(theirs, leaf)), f"{name}.{leaf}"
+            packed += 1
+    # attention q/k/v/o, experts (and Qwen2-MoE's shared expert) per layer, and lm_head
+    assert packed == N_LAYERS * (5 if arch == "qwen3moe" else 8) + 1
+    floats = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, floats[name]), name
+    with torch.no_grad():
+        theirs = reference(TOKENS).logits
+        if arch == "qwen3moe":  # through the bridge; qlens has no Qwen2-MoE adapter
+            ours = qlens.load(path, tokenizer=make_tiny_tokenizer())(TOKENS)
+        else:
+            ours = model(TOKENS).logits
+    # Identical float32 weights and float routers, so both pick the same experts; the paths
+    # differ only in matmul summation order (qlens dequantizes each hit expert then matmuls on
+    # the same token rows), a few ulps per dot product of <= 1408 terms, through two layers.
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def bridge(files):
+    return qlens.load(files["qwen3moe", "Q4_0"], tokenizer=make_tiny_tokenizer())
+
+
+def test_moe_hooks_see_what_transformers_computes(bridge, files):
+    reference = transformers_gguf_model(files["qwen3moe", "Q4_0"])
+    seen: dict[str, torch.Tensor] = {}
+    layer = reference.model.layers[1].mlp
+    handles = [
+        layer.register_forward_hook(lambda _m, _i, out: seen.update(mlp=out)),
+        layer.gate.register_forward_hook(lambda _m, _i, out: seen.update(router=out[0])),
+    ]
+    try:
+        with torch.no_grad():
+            reference(TOKENS)
+            _, cache = bridge.run_with_cache(TOKENS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the router's float logits on the same residual; the experts' sum as in the logits test
+    mlp_out, router = cache["blocks.1.hook_mlp_out"][0], cache["blocks.1.mlp.hook_router_logits"]
+    torch.testing.assert_close(router.reshape(seen["router"].shape), seen["router"])
+    scale = seen["mlp"].abs().max().item()
+    torch.testing.assert_close(mlp_out, seen["mlp"][0], rtol=0, atol=1e-5 * scale)
+
+
+def test_expert_weight_reads_are_guarded(bridge, files):
+    reference = transformers_gguf_model(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
+    for read in (W_in, W_gate, W_out):
+        with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
+            read(bridge, 0)
+        assert "gguf_q4_0" in str(error.value)
+    with bridge.dequantized():
+        w_gate, w_in, w_out = W_gate(bridge, 0), W_in(bridge, 0), W_out(bridge, 0, expert=3)
+    gate, up = reference.gate_up_proj.chunk(2, dim=1)
+    assert torch.equal(w_gate, gate.transpose(-1, -2))  # [experts, d_model, d_mlp]
+    assert torch.equal(w_in, up.transpose(-1, -2))
+    assert torch.equal(w_out, reference.down_proj[3].T)  # [d_mlp, d_model]
+    with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
+        W_in(bridge, 0)  # refused again once the context has exited
+
+
+def test_dequantize_on_load_gives_transformers_float_experts(files):
+    path = files["qwen3moe", "mixed"]
+    floats = qlens.load(path, dequantize=True, tokenizer=make_tiny_tokenizer())
+    assert not any(isinstance(m, (QuantExperts, QuantLinear)) for m in floats.model.modules())
+    reference = dict(transformers_gguf_model(path).named_parameters())
+    for name, tensor in floats.model.named_parameters():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_bfloat16_load_rounds_like_transformers(files):
+    path = files["qwen3moe", "mixed"]
+    model = load_gguf_packed(path, dtype=torch.bfloat16, device=None)
+    reference = transformers_gguf_model(path, torch.bfloat16)
+    for index, layer in enumerate(model.model.layers):
+        theirs = reference.model.layers[index].mlp.experts
+        for leaf, values in qlens.dequantize(layer.mlp.experts, torch.bfloat16).items():
+            assert torch.equal(values, getattr(theirs, leaf)), f"layer {index} {leaf}"
+    floats = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, floats[name]), name
+
+
+def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
+    save_quantized(bridge, tmp_path)
+    reloaded = load_quantized(tmp_path)
+    for index, layer in enumerate(reloaded.model.layers):
+        experts, saved = layer.mlp.experts, bridge.model.model.layers[index].mlp.experts
+        assert isinstance(experts, QuantExperts)
+        for name, payload in experts.payload.items():
+            assert payload.format == saved.payload[name].format
+            assert torch.equal(payload.data, saved.payload[name].data)
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, bridge.model(TOKENS).logits)
+
+
+@pytest.mark.parametrize(
+    ("types", "logged"),
+    [
+        ({"gate": "TQ2_0", "up": "TQ2_0", "down": "TQ2_0"}, True),
+        ({"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}, True),
+        ({"gate": "F16", "up": "F16", "down": "F32"}, False),  # float in the file: nothing lost
+    ],
+    ids=["no-qlens-codec", "gate-up-differ", "float"],
+)
+def test_experts_that_cannot_stay_packed_load_as_gguf_py_floats(tmp_path, caplog, types, logged):
+    def type_of(name: str) -> str:
+        kind = name.split(".")[-2]
+        return types[kind[4:-5]] if kind.endswith("_exps") else "Q8_0"
+
+    path = write_gguf_moe(make_gguf_moe("qwen3moe"), tmp_path / "tiny.gguf", "qwen3moe", type_of)
+    with caplog.at_level(logging.WARNING, logger="qlens.gguf_experts"):
+        model = _qlens_model(path)
+    for index in range(N_LAYERS):
+        for part, kind in types.items():
+            line = f"blk.{index}.ffn_{part}_exps.weight {kind}"
+            assert (line in caplog.text) == logged, line
+    expected = gguf_py_values(gguf.GGUFReader(str(path)))
+    reference = dict(transformers_gguf_model(path).named_parameters())
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert not isinstance(experts, QuantExperts)
+        gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)
+        np.testing.assert_array_equal(gate.numpy(), expected[f"blk.{index}.ffn_gate_exps.weight"])
+        np.testing.assert_array_equal(up.numpy(), expected[f"blk.{index}.ffn_up_exps.weight"])
+        assert isinstance(layer.self_attn.q_proj, QuantLinear)  # the linears stay packed
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, reference[name]), name
+
+
+# model kwargs, write kwargs, the error
+BROKEN = {
+    "fewer-experts": (
+        {},
+        {"experts_written": 3},
+        r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\] .* expects \[4, 768, 256\] "
+        r".*: the file does not match its own metadata",
+    ),
+    "wider-experts": (
+        {"expert_width": 512},
+        {},
+        r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* the file's expert_feed_forward_length "
+        r"is 512, but transformers' GGUF config reader does not read it",
+    ),
+    "no-down": (
+        {},
+        {"omit": ("blk.1.ffn_down_exps.weight",)},
+        r"broken\.gguf lacks blk\.1\.ffn_down_exps\.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, case):
+    model_kwargs, write_kwargs, error = BROKEN[case]
+    path = write_gguf_moe(
+        make_gguf_moe("qwen3moe", **model_kwargs), tmp_path / "broken.gguf", "qwen3moe",
+        lambda _: "Q8_0", **write_kwargs,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=error):
+        _qlens_model(path)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "F32"])  # a packed linear, a float one
+def test_linears_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, kind):
+    model = make_gguf_moe("qwen2moe", shared_width=512)  # the config reads 5632
+    path = write_gguf_moe(model, tmp_path / "shared.gguf", "qwen2moe", lambda _: kind)
+    with pytest.raises(
+        ValueError, match=r"shared\.gguf: blk\.0\.ffn_gate_shexp\.weight holds a \[512, 256\] "
+        r"weight, but model\.layers\.0\.mlp\.shared_expert\.gate_proj\.weight .* is \[5632, 256\]",
+    ):  # fmt: skip
+        _qlens_model(path)
+
+
+def test_llama_file_with_stacked_experts_is_refused(tmp_path):
+    experts = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 512, 256), dtype=np.float32)}
+    path = write_gguf_llama(make_gguf_llama(), tmp_path / "mixtral.gguf", lambda _: "Q8_0", experts)
+    with pytest.raises(ValueError, match=r"holds stacked expert tensors \(blk\.0\.ffn_gate_exps"):
+        qlens.load(path, tokenizer=make_tiny_tokenizer())
