@@ -5,12 +5,14 @@ row found with ``torch.searchsorted`` (``torch.bincount`` reads the ids' maximum
 on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program computes one tile's
 ``BLOCK_N`` output columns. A program finds its tile's expert from the per-expert row bounds (a
 cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
-original positions, decodes its expert's packed 4-bit words with the word-wise GEMV's decode
+original positions, decodes its expert's weight tile, multiplies on tensor cores and writes the
+rows back where they came from. Packed 4-bit words take the word-wise GEMV's decode
 (``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one global
-scale or one per expert), multiplies on tensor cores and writes the rows back where they came
-from. The grid is sized on the host without reading the ids: ``ceil(rows / BLOCK_M) + experts``
-tiles bound the real count, and programs past it return at once.
-"""
+scale or one per expert); one-byte elements (fp8-block, MXFP8, int8) the weight-only kernel's
+(``weight_only.byte_dot_tile``: the tile decoded to float32, scaled per block, then cast to
+the activations' dtype for the dot). The grid is sized on the host without reading the ids:
+``ceil(rows / BLOCK_M) + experts`` tiles bound the real count, and programs past it return at
+once."""
 
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, permute_codes
-from qlens.kernels.launch import dot_kernel_args, on_device
+from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
 from qlens.kernels.packed_gemv import _dot_tile
 from qlens.kernels.packed_words import ExpertRows, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
+from qlens.kernels.weight_only import byte_dot_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -56,20 +59,22 @@ def _tile_rows(bounds_ptr, tile, E, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
 @triton.jit
 @no_type_check
 def _grouped_experts_kernel(
-    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, order_ptr, bounds_ptr,
-    M, N, K, E, stride_xm, stride_xj, stride_w, stride_s, stride_om,
-    stride_we, stride_se, stride_ge,
-    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, order_ptr, bounds_ptr,
+    M, N, K, E, stride_xm, stride_xj, stride_d, stride_s, stride_om,
+    stride_de, stride_se, stride_ge,
+    FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MASK_N: tl.constexpr, EXPERTS: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` columns of one tile of ``BLOCK_M`` rows of one expert.
 
     ``order`` holds the rows sorted by expert (original positions), ``bounds`` each expert's
-    first sorted row; the expert's words, scales (and zero points), global scale and bias lie
-    ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
+    first sorted row; the expert's data, scales (and zero points), global scale and bias lie
+    ``stride_de``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
+    ``PACKED``: int32 words of packed 4-bit codes and ``x`` regrouped by code position
+    (``permute_codes``); else one byte an element (fp8, int8) and ``x`` as it is.
     """
     # One grid axis (no 65535 limit on the tiles): the column tiles of one row tile run next to
     # each other, so each tile's rows of x are read from memory once.
@@ -83,7 +88,7 @@ def _grouped_experts_kernel(
     # Rows past the tile's end read as M: masked off by every load and store below.
     offs_m = tl.load(order_ptr + sorted_rows, mask=sorted_rows < end, other=M).to(tl.int64)
     offset = expert.to(tl.int64)
-    words_ptr += offset * stride_we
+    data_ptr += offset * stride_de
     scale_ptr += offset * stride_se
     zero_ptr += offset * stride_se
     global_ptr += offset * stride_ge
@@ -91,18 +96,34 @@ def _grouped_experts_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
-        acc = _dot_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-            stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
-        )  # fmt: skip
-    if k_full < K:
-        acc = _dot_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M,
-            N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
-        )  # fmt: skip
+    if PACKED:
+        for k0 in range(0, k_full, BLOCK_K):
+            acc = _dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
+                K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE,
+                INTERPRET,
+            )  # fmt: skip
+        if k_full < K:
+            acc = _dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                M, N, K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE,
+                INTERPRET,
+            )  # fmt: skip
+    else:
+        for k0 in range(0, k_full, BLOCK_K):
+            acc = byte_dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
+                K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, INTERPRET,
+            )  # fmt: skip
+        if k_full < K:
+            acc = byte_dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                M, N, K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, INTERPRET,
+            )  # fmt: skip
     store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 0, 0, HAS_BIAS,
                1, INTERPRET)  # fmt: skip
 
@@ -164,12 +185,13 @@ def grouped_experts_linear(
 ) -> Float[Tensor, "rows n"]:
     """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` for every row in one launch.
 
-    ``w`` is the first expert's view (packed 4-bit rows of whole int32 words), ``experts`` the
-    rows' ids (in ``[0, num_experts)``: rows of other ids are left unwritten) and the strides
-    between experts; ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
+    ``w`` is the first expert's view: packed 4-bit rows of whole int32 words, or one byte an
+    element (fp8-block, MXFP8, int8); ``experts`` holds the rows' ids (in ``[0,
+    num_experts)``: rows of other ids are left unwritten) and the strides between experts;
+    ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
     """
-    words = word_view(w)
-    if words is None:
+    words = word_view(w) if w.packed else None
+    if w.packed and words is None:
         raise ValueError(
             f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
             f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
@@ -181,18 +203,21 @@ def grouped_experts_linear(
     if rows == 0:
         return out
     order, bounds = expert_row_bounds(experts.ids, num_experts)
-    xp = permute_codes(x, for_dot=True)
-    _, scales, zeros, global_scale = dot_kernel_args(w)
+    data, scales, zeros, global_scale = dot_kernel_args(w)
+    if words is not None:
+        data, xk = words, permute_codes(x, for_dot=True)
+        stride_xj = xk.stride(1)
+    else:
+        xk, stride_xj = x, 1
     max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
     interpret = interpreting()
     with on_device(x.device):
         GROUPED_EXPERTS.launch(
-            (ceil_div(w.n, cfg.block_n) * max_tiles,), xp, words, scales, zeros, global_scale,
+            (ceil_div(w.n, cfg.block_n) * max_tiles,), xk, data, scales, zeros, global_scale,
             bias if bias is not None else x, out, order, bounds,
-            rows, w.n, k, num_experts, xp.stride(0), xp.stride(1), words.stride(0),
-            scales.stride(0), out.stride(0), experts.words, experts.scales, experts.global_scale,
-            FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
-            HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
+            rows, w.n, k, num_experts, xk.stride(0), stride_xj, data.stride(0),
+            scales.stride(0), out.stride(0), experts.data, experts.scales, experts.global_scale,
+            **kernel_constants(w), HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
             X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret, INTERPRET=interpret,

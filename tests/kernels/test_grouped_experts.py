@@ -173,7 +173,7 @@ def test_grouped_experts_refuse_rows_outside_whole_words():
     payload = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
     view = first_expert_view(payload)
     assert view is not None
-    rows = ExpertRows(ids=torch.zeros(70, dtype=torch.int32), words=0, scales=0, global_scale=0)
+    rows = ExpertRows(ids=torch.zeros(70, dtype=torch.int32), data=0, scales=0, global_scale=0)
     with pytest.raises(ValueError, match="whole int32 words, got int4 with 45 bytes a row"):
         grouped_experts_linear(torch.randn(70, 90), view, rows, 3, None)
 
