@@ -87,6 +87,7 @@ def rows_through_experts(
         return experts_linear(x, payload, expert_ids, bias, ids_in_range=True)
     from qlens.kernels.plan import linear
 
+    require_no_graph_capture(payload, x.device, False)
     experts = expert_views(payload)
     out = x.new_empty((x.shape[0], int(payload.shape[1])))
     for expert in torch.unique(expert_ids).tolist():
@@ -292,7 +293,7 @@ def require_no_graph_capture(payload: QuantPayload, device: torch.device, w8a8: 
     would run under CUDA graph capture, saying why they do and what runs instead."""
     if not capturing_cuda_graph(device):
         return
-    why = "W8A8" if w8a8 else one_launch_refusal(payload)
+    why = "W8A8" if w8a8 else one_launch_refusal(payload, device)
     raise RuntimeError(
         f"{payload.format.name} experts of shape {list(payload.shape)} run one launch per used "
         f"expert ({why}), which reads the routing on the host, and a CUDA graph capture cannot: "
@@ -302,8 +303,11 @@ def require_no_graph_capture(payload: QuantPayload, device: torch.device, w8a8: 
     )
 
 
-def one_launch_refusal(payload: QuantPayload) -> str:
-    """Why no one-launch path reads the ``[experts, out, in]`` payload."""
+def one_launch_refusal(payload: QuantPayload, device: torch.device) -> str:
+    """Why no one-launch path runs the ``[experts, out, in]`` payload on ``device``."""
+    problem = kernel_device_problem(device)
+    if problem is not None:
+        return problem
     w = first_expert_view(payload)
     if w is None:
         return "a format or layout the kernels do not read"

@@ -1,0 +1,196 @@
+"""One-byte experts (fp8-block, MXFP8, int8) in the grouped experts GEMM, in Triton's
+interpreter, against ``reference_linear`` on each expert's rows.
+
+Error bound, from the arithmetic: both sides decode every weight exactly as the codec does
+(the same float32 products of code and scale), so they differ only by rounding. With float32
+activations both sum the same K products in float32 in different orders: each sum is within
+``K * 2**-24`` of ``S = |x| @ |W_e|.T + |bias_e|``, so ``|out - ref| <= 2 (K + 1) 2**-24 S``.
+bf16 activations add, on the kernel's side, the decoded weight rounded to bf16 for the dot
+(``2**-9 S``) and on both the output's rounding to bf16 (``2**-9 |ref|`` each, ``2**-8`` in
+all, with ``|out| <= |ref| + ...`` absorbed by the factor 2 below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import count_grouped_launches
+
+import qlens.kernels.experts as experts_module
+import qlens.kernels.grouped_experts as grouped_module
+from qlens.kernels import experts_linear, reference_linear
+from qlens.kernels.experts import expert_views, stacked_experts
+from qlens.kernels.grouped_experts import grouped_config
+from qlens.quant.dequantize import dequantize
+from qlens.quant.quantize import quantize_weight
+
+BYTE_SCHEMES = (
+    ("fp8-block", {}),
+    ("fp8-block", {"block_size": (32, 64), "scale_dtype": "e8m0"}),
+    ("mxfp8", {}),
+    ("int8", {}),
+    ("int8", {"group_size": 32, "asymmetric": True, "scale_dtype": "bf16"}),
+)
+
+
+def _scheme_id(scheme) -> str:
+    return scheme[0] + "".join(f"-{v}" for v in scheme[1].values())
+
+
+def _check(out, x, payload, ids, bias) -> None:
+    """``out`` against ``reference_linear`` on each expert's rows, within the module's bound."""
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], payload.shape[1])
+    views, weights = expert_views(payload), dequantize(payload, torch.float32).abs()
+    k = x.shape[1]
+    for expert in torch.unique(ids).tolist():
+        rows = torch.nonzero(ids == expert).squeeze(1)
+        b = None if bias is None else bias[expert]
+        ref = reference_linear(x[rows], views[expert], b).double()
+        size = x[rows].double().abs() @ weights[expert].double().T
+        if b is not None:
+            size = size + b.double().abs()
+        bound = 2 * (k + 1) * 2.0**-24 * size
+        if x.dtype == torch.bfloat16:
+            bound = bound + 2.0**-9 * size + 2 * 2.0**-8 * ref.abs()
+        err = (out[rows].double() - ref).abs()
+        assert bool((err <= bound).all()), (expert, (err - bound).max().item())
+
+
+def _routes(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
+    """(ids, experts): decode rows, unused experts (expert 2 and 4 get no row), one expert
+    taking every row, and every expert in use, at prefill row counts."""
+    some = torch.tensor([0, 1, 3, 5])[torch.randint(0, 4, (77,), generator=gen)]
+    return {
+        "one row": (torch.tensor([3]), 6),
+        "decode rows": (torch.tensor([5, 0, 5, 3, 1, 0, 5, 3]), 6),
+        "unused experts": (some, 6),
+        "one expert": (torch.full((70,), 4), 6),
+        "every expert": (torch.randint(0, 5, (90,), generator=gen), 5),
+    }
+
+
+@pytest.mark.parametrize("scheme", BYTE_SCHEMES, ids=_scheme_id)
+def test_byte_experts_take_one_grouped_launch_at_every_row_count(scheme, monkeypatch):
+    """N (136) and K (200) not multiples of 128 or of the tiles, with and without bias, float32
+    and bf16: one grouped launch a call, from one row to prefill rows (more than
+    FUSED_EXPERT_ROWS), and no expert loop."""
+    launches = count_grouped_launches(monkeypatch)
+    monkeypatch.setattr(experts_module, "quantized_linear", None)  # no per-expert launches
+    gen = torch.Generator().manual_seed(0)
+    calls = 0
+    name, options = scheme
+    for label, (ids, experts) in _routes(gen).items():
+        payload = quantize_weight(torch.randn(experts, 136, 200, generator=gen), name, **options)
+        bias = torch.randn(experts, 136, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(ids.numel(), 200, generator=gen).to(dtype)
+            for b in (bias.to(dtype), None):
+                out = experts_linear(x, payload, ids, b, ids_in_range=True)
+                calls += 1
+                _check(out, x, payload, ids, b)
+    assert len(launches) == calls
+
+
+def test_byte_experts_leave_rows_of_other_ids_unread_and_the_rest_exact():
+    """Ids outside ``[0, experts)`` (the caller vouched for them) sort outside every expert's
+    rows: no tile reads them and the other rows keep the bound."""
+    gen = torch.Generator().manual_seed(1)
+    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), "fp8-block")
+    ids = torch.randint(0, 4, (12,), generator=gen)
+    ids[torch.tensor([0, 7])] = torch.tensor([-1, 4])
+    x = torch.randn(12, 64, generator=gen)
+    out = experts_linear(x, payload, ids, ids_in_range=True)
+    inside = (ids >= 0) & (ids < 4)
+    _check(out[inside], x[inside], payload, ids[inside], None)
+
+
+def test_byte_experts_launch_once_with_no_host_read(monkeypatch):
+    """Decode and prefill rows of fp8-block experts read nothing on the host: every way a
+    tensor's value reaches Python raises during the call; the recorded launch, run afterwards,
+    gives the whole result. The grid is sized from the row count alone."""
+    gen = torch.Generator().manual_seed(2)
+    payload = quantize_weight(torch.randn(8, 40, 160, generator=gen), "fp8-block")
+    for rows in (3, 100):
+        ids = torch.randint(0, 8, (rows,), generator=gen)
+        x = torch.randn(rows, 160, generator=gen)
+        recorded = []
+        with monkeypatch.context() as patch:
+
+            def host_read(*args, **kwargs):
+                raise AssertionError("a tensor was read on the host")
+
+            for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
+                patch.setattr(torch.Tensor, name, host_read)
+            patch.setattr(experts_module, "quantized_linear", None)
+            patch.setattr(
+                grouped_module.GROUPED_EXPERTS,
+                "launch",
+                lambda *a, **kw: recorded.append((a, kw)),
+            )
+            out = experts_linear(x, payload, ids, ids_in_range=True)
+        assert len(recorded) == 1
+        (grid, *args), options = recorded[0]
+        cfg = grouped_config(rows, 8, 40)
+        assert grid == (2 * (-(-rows // cfg.block_m) + min(8, rows)),)  # two column tiles
+        assert options["PACKED"] is False and options["GROUP_N"] == 128
+        grouped_module.GROUPED_EXPERTS.launch(grid, *args, **options)
+        _check(out, x, payload, ids, None)
+
+
+def test_stacked_byte_experts_stride_by_whole_experts():
+    payload = quantize_weight(torch.randn(3, 136, 200), "fp8-block")
+    w, rows = stacked_experts(payload, torch.tensor([2, 0]))
+    assert (w.n, w.k, w.group_n, w.group_k) == (136, 200, 128, 128)
+    assert (rows.data, rows.scales, rows.global_scale) == (136 * 200, 2 * 2, 0)
+    assert rows.ids.dtype == torch.int32
+
+
+def test_the_experts_op_takes_the_grouped_launch_for_byte_experts(monkeypatch):
+    """``torch.ops.qlens.experts_linear`` on decode rows of int8 experts (forced onto the
+    one-launch path: the interpreter stands in for the accelerator) takes one grouped launch
+    and passes opcheck. int8: opcheck's schema check cannot compare float8 tensors, so fp8
+    payloads are checked by ``test_byte_experts_take_one_grouped_launch_at_every_row_count``."""
+    from qlens.kernels import ops
+    from qlens.quant.payload_spec import PayloadSpec
+
+    launches = count_grouped_launches(monkeypatch)
+    monkeypatch.setattr(experts_module, "experts_in_one_launch", lambda *args: True)
+    gen = torch.Generator().manual_seed(5)
+    payload = quantize_weight(torch.randn(3, 40, 64, generator=gen), "int8", group_size=32)
+    tensors, key = list(payload.tensors().values()), PayloadSpec.of(payload).key
+    ids = torch.tensor([2, 0, 2, 2])
+    x, bias = torch.randn(4, 64, generator=gen), torch.randn(3, 40, generator=gen)
+    out = torch.ops.qlens.experts_linear(x, ids, tensors, key, bias)
+    assert len(launches) == 1
+    _check(out, x, payload, ids, bias)
+    torch.library.opcheck(ops.experts_linear_op, (x, ids, tensors, key, bias))
+    assert len(launches) > 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    experts=st.integers(1, 6),
+    rows=st.integers(1, 100),
+    n=st.integers(1, 150),
+    k=st.integers(1, 260),
+    scheme=st.sampled_from(BYTE_SCHEMES),
+    dtype=st.sampled_from((torch.float32, torch.bfloat16)),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_byte_experts_routings_and_shapes_keep_the_bound(
+    experts, rows, n, k, scheme, dtype, with_bias, seed
+):
+    """Any expert count, row count (decode and prefill), output width and K, with ids drawn
+    from a skewed distribution over the experts (some get no row)."""
+    gen = torch.Generator().manual_seed(seed)
+    name, options = scheme
+    payload = quantize_weight(torch.randn(experts, n, k, generator=gen), name, **options)
+    share = torch.rand(experts, generator=gen) ** 4
+    ids = torch.multinomial(share + 1e-3, rows, replacement=True, generator=gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(experts, n, generator=gen).to(dtype) if with_bias else None
+    out = experts_linear(x, payload, ids, bias, ids_in_range=True)
+    _check(out, x, payload, ids, bias)
