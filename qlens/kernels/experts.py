@@ -20,6 +20,7 @@ from qlens.kernels.weights import (
     cached_on_payload,
     kernel_weight,
     reads_payload_memory,
+    unsupported_reason,
 )
 from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
@@ -310,7 +311,7 @@ def one_launch_refusal(payload: QuantPayload, device: torch.device) -> str:
         return problem
     w = first_expert_view(payload)
     if w is None:
-        return "a format or layout the kernels do not read"
+        return unsupported_reason(select_expert(payload, 0)) or "a layout the kernels do not read"
     if w.packed and word_view(w) is None:
         return f"packed 4-bit rows of {w.data.shape[-1]} bytes, not whole 32-bit words"
     return "non-contiguous tensors; call .contiguous() on them"

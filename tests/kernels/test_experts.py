@@ -88,7 +88,7 @@ def test_first_expert_view_is_kept_until_the_payload_changes():
     payload.data = payload.data.clone()  # another tensor: the view is built again, on it
     again, rows = stacked_experts(payload, ids)
     assert again is not w and again.data.data_ptr() == payload.data.data_ptr()
-    assert rows.words == again.data.numel() // 4
+    assert rows.data == again.data.numel() // 4
     odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
     assert stacked_experts(odd, ids) is None and stacked_experts(odd, ids) is None
 
@@ -170,8 +170,12 @@ def test_the_expert_loop_refuses_cuda_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match=r"fp8_block experts .* per used expert \(W8A8\)"):
         experts_linear(x, fp8, ids, w8a8=True, ids_in_range=True)
     strided = dataclasses.replace(fp8, data=fp8.data.transpose(1, 2).contiguous().transpose(1, 2))
-    with pytest.raises(RuntimeError, match=r"\(non-contiguous tensors; call .contiguous\(\)"):
+    with pytest.raises(RuntimeError, match=r"\(.*data must be contiguous; call .contiguous\(\)"):
         experts_linear(x, strided, ids, ids_in_range=True)
+    blocks = quantize_weight(torch.randn(3, 16, 128), "fp8-block", block_size=(8, 32))
+    scales = blocks.scales.transpose(0, 1).contiguous().transpose(0, 1)  # [3, 2, 4], strided
+    with pytest.raises(RuntimeError, match=r"\(non-contiguous tensors; call .contiguous\(\)"):
+        experts_linear(x, dataclasses.replace(blocks, scales=scales), ids, ids_in_range=True)
     ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(fp8, torch.float64)[ids])
     assert rel_err(experts_linear(x, fp8, ids, ids_in_range=True), ref) < 1e-6
 
