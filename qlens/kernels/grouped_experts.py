@@ -131,18 +131,19 @@ def _grouped_experts_kernel(
 GROUPED_EXPERTS = FastLaunch(_grouped_experts_kernel)
 
 
-def grouped_config(rows: int, experts: int, n: int) -> LinearConfig:
+def grouped_config(rows: int, experts: int, n: int, *, packed: bool = True) -> LinearConfig:
     """Tiles of the grouped launch: ``BLOCK_M`` near the mean rows per expert (16 to 64, so
-    few rows are padding), 64 columns, 128-element K steps pipelined 3 deep on 8 warps. Chosen
-    by registers, not yet by time: compiled for sm_90 (Triton 3.9) these launches spill
-    nothing for any family, while 256-element K steps at 64 rows spilled 400-750 bytes a
-    thread on 4 warps and 100-150 on 8 (``test_grouped_experts_sm90.py``). The interpreter
-    takes at most 64 columns."""
+    few rows are padding), 64 columns, K steps of 128 elements (``packed`` 4-bit words) or 64
+    (one byte an element) pipelined 3 deep on 8 warps. Chosen by registers, not yet by time:
+    compiled for sm_90 (Triton 3.9) these launches spill nothing for any family, while
+    256-element K steps of packed words at 64 rows spilled 400-750 bytes a thread on 4 warps
+    and 100-150 on 8, and 128-element steps of fp8 bytes 344-360 on 8 warps and 1448 on 4
+    (``test_grouped_experts_sm90.py``). The interpreter takes at most 64 columns."""
     block_m = min(64, max(16, 1 << max(ceil_div(rows, experts) - 1, 0).bit_length()))
     if interpreting():
         block_n = min(64, max(16, 1 << max(n - 1, 0).bit_length()))
         return LinearConfig("gemm", block_m, block_n, 128, num_warps=4, num_stages=1)
-    return LinearConfig("gemm", block_m, 64, 128, num_warps=8, num_stages=3)
+    return LinearConfig("gemm", block_m, 64, 128 if packed else 64, num_warps=8, num_stages=3)
 
 
 def expert_row_bounds(
@@ -198,7 +199,7 @@ def grouped_experts_linear(
         )
     check_grouped_inputs(x, w, num_experts, bias)
     rows, k = x.shape
-    cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n)
+    cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n, packed=w.packed)
     out = torch.empty((rows, w.n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out

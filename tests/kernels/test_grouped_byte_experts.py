@@ -81,7 +81,7 @@ def test_byte_experts_take_one_grouped_launch_at_every_row_count(scheme, monkeyp
     gen = torch.Generator().manual_seed(0)
     calls = 0
     name, options = scheme
-    for label, (ids, experts) in _routes(gen).items():
+    for ids, experts in _routes(gen).values():
         payload = quantize_weight(torch.randn(experts, 136, 200, generator=gen), name, **options)
         bias = torch.randn(experts, 136, generator=gen)
         for dtype, b in ((torch.float32, bias), (torch.bfloat16, None)):
@@ -126,7 +126,7 @@ def test_byte_experts_launch_once_with_no_host_read(monkeypatch):
             patch.setattr(
                 grouped_module.GROUPED_EXPERTS,
                 "launch",
-                lambda *a, **kw: recorded.append((a, kw)),
+                lambda *a, into=recorded, **kw: into.append((a, kw)),
             )
             out = experts_linear(x, payload, ids, ids_in_range=True)
         assert len(recorded) == 1
