@@ -7,7 +7,7 @@ on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program compute
 cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
 original positions, decodes its expert's weight tile, multiplies on tensor cores and writes the
 rows back where they came from. Packed 4-bit words take the word-wise GEMV's decode
-(``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one global
+(``packed_gemv.dot_k_range``: int4 with or without zero points, MXFP4, NVFP4 with one global
 scale or one per expert); one-byte elements (fp8-block, MXFP8, int8) the weight-only kernel's
 (``weight_only.byte_dot_tile``: the tile decoded to float32, scaled per block, then cast to
 the activations' dtype for the dot). The grid is sized on the host without reading the ids:
@@ -28,7 +28,7 @@ from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, permute_codes
 from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
-from qlens.kernels.packed_gemv import _dot_tile
+from qlens.kernels.packed_gemv import dot_k_range
 from qlens.kernels.packed_words import ExpertRows, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
@@ -97,20 +97,11 @@ def _grouped_experts_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     if PACKED:
-        for k0 in range(0, k_full, BLOCK_K):
-            acc = _dot_tile(
-                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
-                K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE,
-                INTERPRET,
-            )  # fmt: skip
-        if k_full < K:
-            acc = _dot_tile(
-                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE,
-                INTERPRET,
-            )  # fmt: skip
+        acc = dot_k_range(
+            acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, 0, k_full, K,
+            M, N, K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
     else:
         for k0 in range(0, k_full, BLOCK_K):
             acc = byte_dot_tile(

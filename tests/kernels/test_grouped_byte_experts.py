@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import count_grouped_launches
+from kernel_cases import count_grouped_launches, record_grouped_launches_without_host_reads
 
 import qlens.kernels.experts as experts_module
 import qlens.kernels.grouped_experts as grouped_module
@@ -114,20 +114,8 @@ def test_byte_experts_launch_once_with_no_host_read(monkeypatch):
     for rows in (3, 100):
         ids = torch.randint(0, 8, (rows,), generator=gen)
         x = torch.randn(rows, 160, generator=gen)
-        recorded = []
         with monkeypatch.context() as patch:
-
-            def host_read(*args, **kwargs):
-                raise AssertionError("a tensor was read on the host")
-
-            for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
-                patch.setattr(torch.Tensor, name, host_read)
-            patch.setattr(experts_module, "quantized_linear", None)
-            patch.setattr(
-                grouped_module.GROUPED_EXPERTS,
-                "launch",
-                lambda *a, into=recorded, **kw: into.append((a, kw)),
-            )
+            recorded = record_grouped_launches_without_host_reads(patch)
             out = experts_linear(x, payload, ids, ids_in_range=True)
         assert len(recorded) == 1
         (grid, *args), options = recorded[0]
