@@ -21,8 +21,9 @@ from kernel_cases import count_grouped_launches, record_grouped_launches_without
 import qlens.kernels.experts as experts_module
 import qlens.kernels.grouped_experts as grouped_module
 from qlens.kernels import experts_linear, reference_linear
+from qlens.kernels.configs import LinearConfig
 from qlens.kernels.experts import expert_views, stacked_experts
-from qlens.kernels.grouped_experts import grouped_config
+from qlens.kernels.grouped_experts import grouped_config, grouped_experts_linear
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
@@ -123,6 +124,25 @@ def test_byte_experts_launch_once_with_no_host_read(monkeypatch):
         assert options["PACKED"] is False and options["GROUP_N"] == 128
         grouped_module.GROUPED_EXPERTS.launch(grid, *args, **options)
         _check(out, x, payload, ids, None)
+
+
+@pytest.mark.parametrize("scheme", BYTE_SCHEMES[1:3], ids=_scheme_id)
+def test_byte_experts_tiles_of_the_gpu_config_cover_every_row(scheme, monkeypatch):
+    """The GPU's 64-element K steps (shorter than fp8-block's 128-wide scale blocks, two MXFP8
+    groups each) with a masked K tail, and tiles smaller than an expert's rows, which the
+    interpreter's default config does not take."""
+    gen = torch.Generator().manual_seed(6)
+    name, options = scheme
+    payload = quantize_weight(torch.randn(4, 40, 200, generator=gen), name, **options)
+    ids = torch.tensor([2] * 37 + [0] * 16 + [3] * 1 + [2] * 5)[torch.randperm(59, generator=gen)]
+    x, bias = torch.randn(59, 200, generator=gen), torch.randn(4, 40, generator=gen)
+    w, rows = stacked_experts(payload, ids)
+    with monkeypatch.context() as patch:
+        patch.setattr(grouped_module, "interpreting", lambda: False)  # the GPU's config
+        assert grouped_config(8192, 64, 1536, packed=False).block_k == 64
+        assert grouped_config(8192, 64, 1536).block_k == 128
+    for cfg in (LinearConfig("gemm", 16, 32, 64, num_stages=1), LinearConfig("gemm", 32, 16, 64)):
+        _check(grouped_experts_linear(x, w, rows, 4, bias, cfg), x, payload, ids, bias)
 
 
 def test_stacked_byte_experts_stride_by_whole_experts():
