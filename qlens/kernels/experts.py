@@ -27,6 +27,7 @@ from qlens.quant.payload import QuantPayload
 
 if TYPE_CHECKING:
     from qlens.kernels.gemv import PackedGemv
+    from qlens.kernels.grouped_experts import GroupedExperts
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows take one launch of the
@@ -160,8 +161,9 @@ class ExpertsPlan:
 
     ``one_launch(rows)``: whether ``rows`` (token, expert) rows run in one launch here (an
     accelerator, a format the kernels read, few rows); ``rows(x, ids, bias)`` runs them, on
-    the word-wise GEMV prepared once per (row count, dtype, bias or none) for packed 4-bit
-    words up to ``FUSED_EXPERT_ROWS`` rows, else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
+    the launch prepared once per (row count, dtype, bias or none) up to ``FUSED_EXPERT_ROWS``
+    rows (the word-wise GEMV for packed 4-bit words, the grouped GEMM for one-byte experts),
+    else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
     :func:`experts_plan_for`, which keeps it on the payload.
     """
 
@@ -175,9 +177,8 @@ class ExpertsPlan:
             and first_expert_view(payload) is not None
         )
         self.stacked = stacked_view(payload)
-        self.words = self.stacked is not None and self.stacked[0].packed
         self._config = choose_config(1, n, k, device, packed_words=True)
-        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv] = {}
+        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv | GroupedExperts] = {}
 
     def one_launch(self, rows: int) -> bool:
         """Few rows through the word-wise GEMV (packed 4-bit words) or the grouped GEMM
@@ -196,23 +197,27 @@ class ExpertsPlan:
         """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]``, ids in range (unchecked)."""
         call = self._calls.get((x.shape[0], x.dtype, bias is None))
         if call is None:
-            if not self.words or not 0 < x.shape[0] <= FUSED_EXPERT_ROWS:
+            if self.stacked is None or not 0 < x.shape[0] <= FUSED_EXPERT_ROWS:
                 return experts_linear(x, self.payload, expert_ids, bias, ids_in_range=True)
             call = self._prepare(x.shape[0], x.dtype, bias is None)
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         return call(x, bias, expert_ids)
 
-    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv:
-        from qlens.kernels.gemv import PackedGemv  # Triton: imported once a launch is prepared
+    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv | GroupedExperts:
+        # Triton: imported once a launch is prepared
+        from qlens.kernels.gemv import PackedGemv
+        from qlens.kernels.grouped_experts import GroupedExperts
 
-        assert self.stacked is not None and self.words
+        assert self.stacked is not None
         w, strides = self.stacked
         words = word_view(w)
-        assert words is not None
-        call = self._calls[m, dtype, no_bias] = PackedGemv(
-            w, words, m, dtype, not no_bias, self._config, strides
-        )
+        call: PackedGemv | GroupedExperts
+        if words is None:  # one byte an element
+            call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
+        else:
+            call = PackedGemv(w, words, m, dtype, not no_bias, self._config, strides)
+        self._calls[m, dtype, no_bias] = call
         return call
 
 
@@ -261,7 +266,7 @@ def experts_linear(
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")
     plan = experts_plan_for(payload, x.device) if x.shape[0] and not w8a8 else None
     if plan is not None and plan.stacked is not None:
-        if plan.words and x.shape[0] <= FUSED_EXPERT_ROWS:
+        if x.shape[0] <= FUSED_EXPERT_ROWS:
             return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
         from qlens.kernels.grouped_experts import grouped_experts_linear  # Triton, on first use
 

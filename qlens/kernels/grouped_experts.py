@@ -29,7 +29,7 @@ from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, permute_codes
 from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
 from qlens.kernels.packed_gemv import dot_k_range
-from qlens.kernels.packed_words import ExpertRows, word_view
+from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
 from qlens.kernels.weight_only import byte_dot_tile
@@ -148,13 +148,9 @@ def expert_row_bounds(
 
 
 def check_grouped_inputs(x: Tensor, w: KernelWeight, num_experts: int, bias: Tensor | None) -> None:
-    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts."""
+    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts
+    (the activations' dtype is checked by :class:`GroupedExperts`)."""
     require_kernel_device(x.device)
-    if x.dtype not in _TL_DTYPES:
-        raise ValueError(
-            f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, got "
-            f"{x.dtype}; cast the input first"
-        )
     if w.data.device != x.device:
         raise ValueError(
             f"input is on {x.device} but the quantized experts are on {w.data.device}; move one "
@@ -182,37 +178,75 @@ def grouped_experts_linear(
     num_experts)``: rows of other ids are left unwritten) and the strides between experts;
     ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
     """
-    words = word_view(w) if w.packed else None
-    if w.packed and words is None:
-        raise ValueError(
-            f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
-            f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
-        )
     check_grouped_inputs(x, w, num_experts, bias)
-    rows, k = x.shape
-    cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n, packed=w.packed)
-    out = torch.empty((rows, w.n), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    order, bounds = expert_row_bounds(experts.ids, num_experts)
-    data, scales, zeros, global_scale = dot_kernel_args(w)
-    if words is not None:
-        data, xk = words, permute_codes(x, for_dot=True)
-        stride_xj = xk.stride(1)
-    else:
-        xk, stride_xj = x, 1
-    max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
-    interpret = interpreting()
-    with on_device(x.device):
-        GROUPED_EXPERTS.launch(
-            (ceil_div(w.n, cfg.block_n) * max_tiles,), xk, data, scales, zeros, global_scale,
-            bias if bias is not None else x, out, order, bounds,
-            rows, w.n, k, num_experts, xk.stride(0), stride_xj, data.stride(0),
-            scales.stride(0), out.stride(0), experts.data, experts.scales, experts.global_scale,
-            **kernel_constants(w), HAS_BIAS=bias is not None,
+    call = GroupedExperts(w, experts, num_experts, x.shape[0], x.dtype, bias is not None, cfg)
+    return call(x, bias, experts.ids)
+
+
+class GroupedExperts:
+    """The grouped launch of experts stacked at ``strides`` after the first expert's view
+    ``w``, for ``rows`` rows of ``dtype``, built once (``ExpertsPlan`` keeps one per decode row
+    count): a call regroups ``x`` (packed words), sorts the rows by expert, allocates the output
+    and launches. The inputs are not checked (:func:`grouped_experts_linear` checks them)."""
+
+    def __init__(
+        self,
+        w: KernelWeight,
+        strides: ExpertStrides,
+        num_experts: int,
+        rows: int,
+        dtype: torch.dtype,
+        has_bias: bool,
+        cfg: LinearConfig | None = None,
+    ) -> None:
+        words = word_view(w) if w.packed else None
+        if w.packed and words is None:
+            raise ValueError(
+                f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
+                f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
+            )
+        if dtype not in _TL_DTYPES:
+            raise ValueError(
+                f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, "
+                f"got {dtype}; cast the input first"
+            )
+        cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n, packed=w.packed)
+        data, scales, zeros, global_scale = dot_kernel_args(w)
+        if words is not None:
+            n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [rows, 8, n_words]
+            data, stride_xm, stride_xj = words, 8 * n_words, n_words
+        else:
+            stride_xm, stride_xj = w.k, 1
+        self.packed, self.num_experts = words is not None, num_experts
+        self.out_shape, self.dtype, self.device = (rows, w.n), dtype, data.device
+        max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
+        self.grid = (ceil_div(w.n, cfg.block_n) * max_tiles,)
+        self.weights = (data, scales, zeros, global_scale)
+        self.sizes = (
+            rows, w.n, w.k, num_experts, stride_xm, stride_xj, data.stride(0), scales.stride(0),
+            w.n, strides.data, strides.scales, strides.global_scale,
+        )  # fmt: skip
+        interpret = interpreting()
+        self.options = dict(
+            **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
-            X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret, INTERPRET=interpret,
+            X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret, INTERPRET=interpret,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return out
+
+    def __call__(
+        self, x: Float[Tensor, "rows k"], bias: Tensor | None, ids: Integer[Tensor, " rows"]
+    ) -> Float[Tensor, "rows n"]:
+        """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` (``x``, ``bias``: contiguous)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.out_shape[0] == 0:
+            return out
+        xk = permute_codes(x, for_dot=True) if self.packed else x
+        order, bounds = expert_row_bounds(ids, self.num_experts)
+        with on_device(self.device):
+            GROUPED_EXPERTS.launch(
+                self.grid, xk, *self.weights, bias if bias is not None else xk, out, order,
+                bounds, *self.sizes, **self.options,
+            )  # fmt: skip
+        return out

@@ -101,7 +101,7 @@ def test_prefill_in_one_launch_needs_whole_words_or_bytes(monkeypatch) -> None:
     for payload in (fp8, mxfp8, int8):
         plan = ExpertsPlan(payload, meta.device)
         assert plan.one_launch(1) and plan.one_launch(FUSED_EXPERT_ROWS + 1)
-        assert plan.stacked is not None and not plan.words  # the grouped GEMM at every count
+        assert plan.stacked is not None and not plan.stacked[0].packed  # grouped at any count
 
 
 def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
