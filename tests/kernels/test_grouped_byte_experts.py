@@ -205,3 +205,21 @@ def test_random_byte_experts_routings_and_shapes_keep_the_bound(
     bias = torch.randn(experts, n, generator=gen).to(dtype) if with_bias else None
     out = experts_linear(x, payload, ids, bias, ids_in_range=True)
     _check(out, x, payload, ids, bias)
+
+
+def test_decode_rows_reuse_the_launch_the_plan_built(monkeypatch):
+    """A decode step's rows of one-byte experts take the grouped launch the experts' plan built
+    once for that row count, dtype and bias (checks and launch arguments not redone per call);
+    prefill rows build theirs per call."""
+    built = []
+    real = grouped_module.GroupedExperts
+    monkeypatch.setattr(
+        grouped_module, "GroupedExperts", lambda *a, **kw: built.append(a[3]) or real(*a, **kw)
+    )
+    gen = torch.Generator().manual_seed(7)
+    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), "mxfp8")
+    for rows in (3, 3, 5, 3, 70, 70):
+        ids = torch.randint(0, 4, (rows,), generator=gen)
+        x = torch.randn(rows, 64, generator=gen)
+        _check(experts_linear(x, payload, ids, ids_in_range=True), x, payload, ids, None)
+    assert built == [3, 5, 70, 70]
