@@ -261,6 +261,12 @@ def experts_linear(
             f"{list(expert_ids.shape)}"
         )
     if expert_ids.numel() and not ids_in_range:
+        if capturing_cuda_graph(x.device):
+            raise RuntimeError(
+                "experts_linear checks the expert ids' range on the host, which a CUDA graph "
+                "capture cannot; pass ids_in_range=True when the ids lie in [0, experts) by "
+                "construction (clamped by the routing)"
+            )
         low, high = (int(v) for v in torch.stack(torch.aminmax(expert_ids)).tolist())
         if low < 0 or high >= experts:
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")

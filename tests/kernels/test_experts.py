@@ -151,8 +151,8 @@ def test_gguf_experts_run_each_expert_through_the_dequantize_route(type_name):
 
 def test_the_expert_loop_refuses_cuda_graph_capture(monkeypatch):
     """Experts that run one launch per used expert read the routing on the host, which a CUDA
-    graph capture cannot: under capture (patched in) they raise, saying why and what to do;
-    experts in one launch run as before."""
+    graph capture cannot: under capture (patched in) they raise, saying why and what to do, as
+    does the host check of the ids' range; experts in one launch run as before."""
     import qlens.kernels.experts as experts_module
 
     monkeypatch.setattr(experts_module, "capturing_cuda_graph", lambda device: True)
@@ -176,6 +176,8 @@ def test_the_expert_loop_refuses_cuda_graph_capture(monkeypatch):
     scales = blocks.scales.transpose(0, 1).contiguous().transpose(0, 1)  # [3, 2, 4], strided
     with pytest.raises(RuntimeError, match=r"\(non-contiguous tensors; call .contiguous\(\)"):
         experts_linear(x, dataclasses.replace(blocks, scales=scales), ids, ids_in_range=True)
+    with pytest.raises(RuntimeError, match=r"range on the host.*pass ids_in_range=True"):
+        experts_linear(x, fp8, ids)
     ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(fp8, torch.float64)[ids])
     assert rel_err(experts_linear(x, fp8, ids, ids_in_range=True), ref) < 1e-6
 
