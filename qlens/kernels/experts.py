@@ -170,7 +170,6 @@ class ExpertsPlan:
     def __init__(self, payload: QuantPayload, device: torch.device) -> None:
         experts, n, k = (int(s) for s in payload.shape)
         self.payload, self.device, self.num_experts = payload, device, experts
-        self.views = expert_views(payload)
         self._accelerated = (
             device.type != "cpu"
             and kernel_device_problem(device) is None
@@ -179,6 +178,12 @@ class ExpertsPlan:
         self.stacked = stacked_view(payload)
         self._config = choose_config(1, n, k, device, packed_words=True)
         self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv | GroupedExperts] = {}
+
+    @property
+    def views(self) -> tuple[QuantPayload, ...]:
+        """The experts' own payloads (built on first use, kept on the payload: a plan built
+        for each call of a compiled forward does not pay for them)."""
+        return expert_views(self.payload)
 
     def one_launch(self, rows: int) -> bool:
         """Few rows through the word-wise GEMV (packed 4-bit words) or the grouped GEMM

@@ -223,3 +223,23 @@ def test_decode_rows_reuse_the_launch_the_plan_built(monkeypatch):
         x = torch.randn(rows, 64, generator=gen)
         _check(experts_linear(x, payload, ids, ids_in_range=True), x, payload, ids, None)
     assert built == [3, 5, 70, 70]
+
+
+def test_the_one_launch_paths_build_no_per_expert_views(monkeypatch):
+    """A compiled forward rebuilds the payload (and its plan) on every call: the one-launch
+    paths read the first expert's view only, never one view per expert."""
+    selected = []
+    real = experts_module.select_expert
+    monkeypatch.setattr(
+        experts_module, "select_expert", lambda p, e: selected.append(e) or real(p, e)
+    )
+    gen = torch.Generator().manual_seed(8)
+    payload = quantize_weight(torch.randn(6, 24, 64, generator=gen), "fp8-block")
+    calls = []
+    for rows in (3, 70):
+        ids = torch.randint(0, 6, (rows,), generator=gen)
+        x = torch.randn(rows, 64, generator=gen)
+        calls.append((experts_linear(x, payload, ids, ids_in_range=True), x, ids))
+    assert selected == [0]
+    for out, x, ids in calls:
+        _check(out, x, payload, ids, None)
