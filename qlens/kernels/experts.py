@@ -216,12 +216,13 @@ class ExpertsPlan:
 
         assert self.stacked is not None
         w, strides = self.stacked
-        words = word_view(w)
         call: PackedGemv | GroupedExperts
-        if words is None:  # one byte an element
-            call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
-        else:
+        if w.packed:
+            words = word_view(w)
+            assert words is not None  # stacked_view takes packed rows of whole words only
             call = PackedGemv(w, words, m, dtype, not no_bias, self._config, strides)
+        else:  # one byte an element
+            call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
         self._calls[m, dtype, no_bias] = call
         return call
 

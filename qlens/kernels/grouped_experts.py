@@ -238,10 +238,12 @@ class GroupedExperts:
     def __call__(
         self, x: Float[Tensor, "rows k"], bias: Tensor | None, ids: Integer[Tensor, " rows"]
     ) -> Float[Tensor, "rows n"]:
-        """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` (``x``, ``bias``: contiguous)."""
+        """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` (``bias``: contiguous)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.out_shape[0] == 0:
             return out
+        if not x.is_contiguous():
+            x = x.contiguous()
         xk = permute_codes(x, for_dot=True) if self.packed else x
         order, bounds = expert_row_bounds(ids, self.num_experts)
         with on_device(self.device):

@@ -243,3 +243,18 @@ def test_the_one_launch_paths_build_no_per_expert_views(monkeypatch):
     assert selected == [0]
     for out, x, ids in calls:
         _check(out, x, payload, ids, None)
+
+
+def test_the_plan_runs_strided_rows_of_byte_experts():
+    """``ExpertsPlan.rows`` (what the modules call) takes rows of any layout, as the packed
+    GEMV does: a column slice of a wider activation gives the same result as its copy."""
+    from qlens.kernels.experts import experts_plan_for
+
+    gen = torch.Generator().manual_seed(9)
+    payload = quantize_weight(torch.randn(4, 24, 64, generator=gen), "int8", group_size=32)
+    wide = torch.randn(5, 128, generator=gen)
+    ids = torch.tensor([3, 0, 3, 1, 2])
+    plan = experts_plan_for(payload, wide.device)
+    strided = plan.rows(wide[:, 32:96], ids, None)
+    assert torch.equal(strided, plan.rows(wide[:, 32:96].contiguous(), ids, None))
+    _check(strided, wide[:, 32:96].contiguous(), payload, ids, None)
