@@ -213,3 +213,17 @@ def test_moe_forwards_route_through_grouped_launches(scheme: str, seq: int, monk
     # Both routes decode the same weights exactly; only float32 summation orders differ
     # (logits near 1: differences near 1e-7).
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_the_module_expert_loop_refuses_cuda_graph_capture(monkeypatch) -> None:
+    """Experts without a one-launch path (here: the CPU) loop over the hit experts, reading the
+    routing on the host: under CUDA graph capture (patched in) the forward raises, naming the
+    remedies, instead of torch's copy error."""
+    model = quantize(make_model("qwen3_moe"), "fp8-block")
+    ids = input_ids(seq=3, batch=1)
+    monkeypatch.setattr("qlens.modules.routing.capturing_cuda_graph", lambda device: True)
+    with (
+        pytest.raises(RuntimeError, match=r"one expert at a time.*mode='default'.*fp8-block"),
+        torch.no_grad(),
+    ):
+        model(ids)
