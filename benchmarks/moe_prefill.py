@@ -1,11 +1,13 @@
-"""MoE prefill: one layer's routed experts over a 1024-token prefill, packed 4-bit, against bf16.
+"""MoE prefill: one layer's routed experts over a 1024-token prefill, packed 4-bit and
+fp8-block, against bf16.
 
 For Qwen3-MoE experts blocks (hidden 2048, moe_intermediate 768, top-8; 64 experts as in
 ``e2e_model.py --sizes moe``, and 128 as in Qwen3-30B-A3B) and 1024 tokens (8192 routed rows)
 this times, eagerly (CUDA events around each call, median of 10 after 3 warm-up calls):
 
 - qlens grouped: the ``QuantExperts`` forward, each projection one grouped launch over all
-  experts (``qlens.kernels.grouped_experts``);
+  experts (``qlens.kernels.grouped_experts``: packed 4-bit words, or fp8-block bytes decoded
+  per 128 x 128 block);
 - qlens expert by expert: the same module with the grouped path turned off (each used
   expert's two linears, the path prefill took before);
 - bf16: transformers' ``Qwen3MoeExperts`` on the bf16 weights under its prefill experts
@@ -16,8 +18,8 @@ Each qlens result is checked against the float32 block on the dequantized weight
 ``--sweep`` adds a table of the grouped launch alone on each projection of the 64-expert block
 under a few tile configurations (the default one first), for tuning ``grouped_config``.
 
-Run on a CUDA GPU: ``python benchmarks/moe_prefill.py`` (``--tokens N``, ``--schemes int4,nvfp4``,
-``--sweep``); prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_h200.md``.
+Run on a CUDA GPU: ``python benchmarks/moe_prefill.py`` (``--tokens N``,
+``--schemes int4,fp8-block``, ``--sweep``); prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_h200.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from qlens.modules.hf_experts import expert_gate_of
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
 
+# The experts' schemes timed: every grouped family, packed 4-bit words and one byte an element.
+SCHEMES = (*PACKED_4BIT_SCHEMES, ("fp8-block", {}))
 # (label, experts): Qwen3-MoE experts blocks, hidden 2048, moe_intermediate 768, top-8.
 BLOCKS = (("Qwen3-30B-A3B-like, 64 experts", 64), ("Qwen3-30B-A3B, 128 experts", 128))
 HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8
@@ -134,7 +138,7 @@ def bf16_times(block, hidden, index, weights) -> dict[str, float]:
 
 
 def block_rows(label: str, num_experts: int, tokens: int, schemes, gen) -> list[str]:
-    """One row per packed 4-bit scheme for one experts block."""
+    """One row per scheme for one experts block."""
     block = bf16_block(num_experts)
     hidden = torch.randn(tokens, HIDDEN, generator=gen).cuda().to(torch.bfloat16)
     logits = torch.randn(tokens, num_experts, generator=gen).cuda()
@@ -142,7 +146,7 @@ def block_rows(label: str, num_experts: int, tokens: int, schemes, gen) -> list[
     weights = weights.to(torch.bfloat16)
     t_bf16 = bf16_times(block, hidden, index, weights)
     rows = []
-    for scheme, options in select_schemes(PACKED_4BIT_SCHEMES, schemes):
+    for scheme, options in select_schemes(SCHEMES, schemes):
         rows.append(scheme_row(label, scheme, options, block, hidden, index, weights, t_bf16))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
@@ -156,13 +160,15 @@ def time_configs(x, view, num_experts: int, configs: list[LinearConfig]) -> list
     return [
         time_eager(lambda cfg=cfg: grouped_experts_linear(x, w, experts, num_experts, None, cfg))
         for cfg in configs
-    ] + [time_eager(lambda: routing(x, experts.ids, num_experts))]
+    ] + [time_eager(lambda: routing(x, experts.ids, num_experts, w.packed))]
 
 
-def routing(x, ids, num_experts: int) -> None:
-    """The grouped call's work besides its launch: sorting the rows, regrouping ``x``."""
+def routing(x, ids, num_experts: int, packed: bool) -> None:
+    """The grouped call's work besides its launch: sorting the rows, regrouping ``x`` (packed
+    4-bit words only)."""
     expert_row_bounds(ids, num_experts)
-    permute_codes(x, for_dot=True)
+    if packed:
+        permute_codes(x, for_dot=True)
 
 
 def sweep_rows(num_experts: int, tokens: int, schemes, gen) -> list[str]:
@@ -173,15 +179,16 @@ def sweep_rows(num_experts: int, tokens: int, schemes, gen) -> list[str]:
     for projection, n, k in (("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)):
         weight = torch.randn(num_experts, n, k, generator=gen).cuda() * 0.02
         x = torch.randn(ids.numel(), k, generator=gen).cuda().to(torch.bfloat16)
-        configs = [grouped_config(ids.numel(), num_experts, n)] + [
+        swept = [
             LinearConfig("gemm", bm, bn, bk, num_warps=w, num_stages=st)
             for bm, bn, bk, w, st in SWEEP
         ]
-        for scheme, options in select_schemes(PACKED_4BIT_SCHEMES, schemes):
+        for scheme, options in select_schemes(SCHEMES, schemes):
             view = stacked_experts(quantize_weight(weight, scheme, **options), ids)
             if view is None:
                 raise RuntimeError(f"{scheme}: the grouped GEMM cannot read these experts")
-            cells = time_configs(x, view, num_experts, configs)
+            default = grouped_config(ids.numel(), num_experts, n, packed=view[0].packed)
+            cells = time_configs(x, view, num_experts, [default, *swept])
             rows.append(
                 f"| {projection} ({num_experts} x {n} x {k}) | {scheme} | "
                 + " | ".join(f"{t:.0f}" for t in cells)
@@ -198,11 +205,11 @@ def _config_label(cfg: LinearConfig) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--schemes", help="comma-separated subset of int4,mxfp4,nvfp4")
+    parser.add_argument("--schemes", help="comma-separated subset of int4,mxfp4,nvfp4,fp8-block")
     parser.add_argument("--sweep", action="store_true", help="also time grouped launch tiles")
     args = parser.parse_args()
     out = [
-        header(f"qlens MoE prefill: routed 4-bit experts of {args.tokens} tokens", TIMING),
+        header(f"qlens MoE prefill: routed quantized experts of {args.tokens} tokens", TIMING),
         "One experts block (gate_up, activation, down, weighted sum) per row; times in us. "
         "`grouped vs best bf16` is qlens grouped time over the fastest bf16 implementation "
         "(lower is faster; the target is at most 1.2x).",
@@ -216,15 +223,16 @@ def main() -> None:
     for label, num_experts in BLOCKS:
         out += block_rows(label, num_experts, args.tokens, args.schemes, gen)
     if args.sweep:
-        default = grouped_config(args.tokens * TOP_K, BLOCKS[0][1], HIDDEN)
-        labels = [f"default {_config_label(default)}"] + [
+        packed = grouped_config(args.tokens * TOP_K, BLOCKS[0][1], HIDDEN)
+        byte = grouped_config(args.tokens * TOP_K, BLOCKS[0][1], HIDDEN, packed=False)
+        labels = [f"default ({_config_label(packed)}; fp8: {_config_label(byte)})"] + [
             _config_label(LinearConfig("gemm", bm, bn, bk, num_warps=w, num_stages=st))
             for bm, bn, bk, w, st in SWEEP
         ]
         out += [
             "",
             "Grouped calls alone (us; block_m x block_n x block_k, warps, stages), and the "
-            "part of each call besides its launch (sorting the rows, regrouping x):",
+            "part of each call besides its launch (sorting the rows, regrouping x for 4-bit):",
             "",
             "| projection | scheme | " + " | ".join(labels) + " | sort and regroup |",
             "|---|---|" + "---|" * (len(labels) + 1),

@@ -1,5 +1,7 @@
-"""Mixture-of-experts linears: one launch per call for packed 4-bit experts in whole words (a
-GEMV for few (token, expert) rows, the grouped GEMM beyond), else one launch per used expert."""
+"""Mixture-of-experts linears in one launch per call: packed 4-bit experts in whole words take
+a GEMV for few (token, expert) rows and the grouped GEMM beyond, one-byte experts (fp8-block,
+MXFP8, int8) the grouped GEMM at every row count; other layouts and W8A8 run one launch per used
+expert, which reads the routing on the host."""
 
 from __future__ import annotations
 
@@ -18,18 +20,24 @@ from qlens.kernels.weights import (
     cached_on_payload,
     kernel_weight,
     reads_payload_memory,
+    unsupported_reason,
 )
 from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
 
 if TYPE_CHECKING:
     from qlens.kernels.gemv import PackedGemv
+    from qlens.kernels.grouped_experts import GroupedExperts
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows take one launch of the
 # grouped GEMM (``grouped_experts``: rows sorted by expert, tiles of an expert's rows on tensor
-# cores), which reads each expert's weight once per tile instead of once per row.
+# cores), which reads each expert's weight once per tile instead of once per row. One-byte
+# experts (fp8-block, MXFP8, int8) take the grouped GEMM at any row count, as the dense
+# weight-only path runs their few rows on tensor-core tiles (``"splitk"``).
 FUSED_EXPERT_ROWS = 64
+# Schemes whose experts run in one launch per call (contiguous, packed rows in whole words).
+ONE_LAUNCH_SCHEMES = ("int4", "mxfp4", "nvfp4", "fp8-block", "mxfp8", "int8")
 
 
 def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:
@@ -45,9 +53,9 @@ def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:
 def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: int) -> bool:
     """True when ``rows`` (token, expert) pairs of fused experts ``payloads`` ``[experts, out,
     in]`` can run all at once through :func:`experts_linear` on ``x``'s accelerator: up to
-    ``FUSED_EXPERT_ROWS`` rows of formats the kernels read (one GEMV launch for packed 4-bit
-    words, else one launch per used expert inside the call), more rows of packed 4-bit experts
-    in whole words (one grouped launch)."""
+    ``FUSED_EXPERT_ROWS`` rows of formats the kernels read (one launch for packed 4-bit words
+    and one-byte experts, else one launch per used expert inside the call), more rows of the
+    experts the grouped GEMM reads (one grouped launch)."""
     if x.device.type == "cpu" or rows <= 0:
         return False
     if kernel_device_problem(x.device) is not None:
@@ -58,8 +66,9 @@ def experts_in_one_launch(payloads: tuple[QuantPayload, ...], x: Tensor, rows: i
 
 
 def grouped_experts_read(payload: QuantPayload) -> bool:
-    """Whether the grouped GEMM reads the ``[experts, out, in]`` payload: packed 4-bit experts
-    in whole int32 words, contiguous (kept on the payload, ``cached_on_payload``)."""
+    """Whether the grouped GEMM reads the ``[experts, out, in]`` payload: contiguous packed
+    4-bit experts in whole int32 words or one-byte experts (kept on the payload,
+    ``cached_on_payload``)."""
     return cached_on_payload(
         payload,
         "grouped_experts_read",
@@ -80,6 +89,7 @@ def rows_through_experts(
         return experts_linear(x, payload, expert_ids, bias, ids_in_range=True)
     from qlens.kernels.plan import linear
 
+    require_no_graph_capture(payload, x.device, False)
     experts = expert_views(payload)
     out = x.new_empty((x.shape[0], int(payload.shape[1])))
     for expert in torch.unique(expert_ids).tolist():
@@ -110,15 +120,21 @@ def _build_first_expert_view(payload: QuantPayload) -> KernelWeight | None:
 def stacked_experts(
     payload: QuantPayload, expert_ids: Integer[Tensor, " t"]
 ) -> tuple[KernelWeight, ExpertRows] | None:
-    """The kernel view of an ``[experts, out, in]`` packed 4-bit payload as its first expert's
-    weight plus the rows' experts and the strides to them, or ``None`` when the one-launch GEMV
-    cannot read it (other formats, rows that are not whole words, non-contiguous tensors)."""
+    """The kernel view of an ``[experts, out, in]`` payload as its first expert's weight plus
+    the rows' experts and the strides to them, or ``None`` when no one-launch path reads it
+    (formats the kernels do not read, packed rows that are not whole words, non-contiguous
+    tensors)."""
     stacked = stacked_view(payload)
     if stacked is None:
         return None
     w, strides = stacked
+    return w, expert_rows(strides, expert_ids)
+
+
+def expert_rows(strides: ExpertStrides, expert_ids: Integer[Tensor, " t"]) -> ExpertRows:
+    """The rows' experts (as contiguous int32) with the experts' strides."""
     ids = expert_ids.to(torch.int32).contiguous()
-    return w, ExpertRows(strides.words, strides.scales, strides.global_scale, ids)
+    return ExpertRows(strides.data, strides.scales, strides.global_scale, ids)
 
 
 def stacked_view(payload: QuantPayload) -> tuple[KernelWeight, ExpertStrides] | None:
@@ -130,10 +146,10 @@ def stacked_view(payload: QuantPayload) -> tuple[KernelWeight, ExpertStrides] | 
         return None
     per_expert_global = g is not None and g.numel() == experts and experts > 1
     w = first_expert_view(payload)
-    if w is None or word_view(w) is None:
+    if w is None or (w.packed and word_view(w) is None):
         return None
     strides = ExpertStrides(
-        words=w.data.numel() // 4,
+        data=w.data.numel() // 4 if w.packed else w.data.numel(),
         scales=w.scales.numel(),
         global_scale=1 if per_expert_global else 0,
     )
@@ -145,15 +161,15 @@ class ExpertsPlan:
 
     ``one_launch(rows)``: whether ``rows`` (token, expert) rows run in one launch here (an
     accelerator, a format the kernels read, few rows); ``rows(x, ids, bias)`` runs them, on
-    the word-wise GEMV prepared once per (row count, dtype, bias or none) for packed 4-bit
-    words, else expert by expert. ``views`` are the experts' own payloads. Built by
+    the launch prepared once per (row count, dtype, bias or none) up to ``FUSED_EXPERT_ROWS``
+    rows (the word-wise GEMV for packed 4-bit words, the grouped GEMM for one-byte experts),
+    else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
     :func:`experts_plan_for`, which keeps it on the payload.
     """
 
     def __init__(self, payload: QuantPayload, device: torch.device) -> None:
         experts, n, k = (int(s) for s in payload.shape)
         self.payload, self.device, self.num_experts = payload, device, experts
-        self.views = expert_views(payload)
         self._accelerated = (
             device.type != "cpu"
             and kernel_device_problem(device) is None
@@ -161,11 +177,18 @@ class ExpertsPlan:
         )
         self.stacked = stacked_view(payload)
         self._config = choose_config(1, n, k, device, packed_words=True)
-        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv] = {}
+        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv | GroupedExperts] = {}
+
+    @property
+    def views(self) -> tuple[QuantPayload, ...]:
+        """The experts' own payloads (built on first use, kept on the payload: a plan built
+        for each call of a compiled forward does not pay for them)."""
+        return expert_views(self.payload)
 
     def one_launch(self, rows: int) -> bool:
-        """Few rows through the word-wise GEMV, more through the grouped GEMM (packed 4-bit
-        experts in whole words only)."""
+        """Few rows through the word-wise GEMV (packed 4-bit words) or the grouped GEMM
+        (one-byte experts), more through the grouped GEMM; other formats the kernels read run
+        expert by expert inside the call, up to ``FUSED_EXPERT_ROWS`` rows."""
         if not self._accelerated or rows <= 0:
             return False
         return rows <= FUSED_EXPERT_ROWS or self.stacked is not None
@@ -186,16 +209,21 @@ class ExpertsPlan:
             bias = bias.contiguous()
         return call(x, bias, expert_ids)
 
-    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv:
-        from qlens.kernels.gemv import PackedGemv  # Triton: imported once a launch is prepared
+    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv | GroupedExperts:
+        # Triton: imported once a launch is prepared
+        from qlens.kernels.gemv import PackedGemv
+        from qlens.kernels.grouped_experts import GroupedExperts
 
         assert self.stacked is not None
         w, strides = self.stacked
-        words = word_view(w)
-        assert words is not None
-        call = self._calls[m, dtype, no_bias] = PackedGemv(
-            w, words, m, dtype, not no_bias, self._config, strides
-        )
+        call: PackedGemv | GroupedExperts
+        if w.packed:
+            words = word_view(w)
+            assert words is not None  # stacked_view takes packed rows of whole words only
+            call = PackedGemv(w, words, m, dtype, not no_bias, self._config, strides)
+        else:  # one byte an element
+            call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
+        self._calls[m, dtype, no_bias] = call
         return call
 
 
@@ -216,13 +244,15 @@ def experts_linear(
 ) -> Float[Tensor, "t n"]:
     """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]`` for an experts payload.
 
-    Packed 4-bit experts in whole int32 words (int4, MXFP4, NVFP4) run in one launch: up to
-    ``FUSED_EXPERT_ROWS`` rows through the word-wise GEMV, each row reading its own expert's
-    weight (decode), more rows through the grouped GEMM (``grouped_experts_linear``: rows
-    sorted by expert on the device, each expert's tiles on tensor cores; prefill). Other
-    formats (fp8-block, MXFP8, int8, rows not in whole words) and ``w8a8`` sort the tokens by
-    expert on the host and run ``quantized_linear`` once per used expert on its tokens (the
-    dispatcher picks each launch's path by its count).
+    Runs in one launch (no host sync) for contiguous experts of the ``ONE_LAUNCH_SCHEMES``:
+    packed 4-bit experts in whole int32 words (int4, MXFP4, NVFP4) up to ``FUSED_EXPERT_ROWS``
+    rows through the word-wise GEMV, each row reading its own expert's weight (decode); more
+    rows, and one-byte experts (fp8-block, MXFP8, int8) at any row count, through the grouped
+    GEMM (``grouped_experts_linear``: rows sorted by expert on the device, each expert's tiles
+    on tensor cores). Other layouts (packed rows not in whole words, non-contiguous tensors)
+    and ``w8a8`` sort the tokens by expert on the host and run ``quantized_linear`` once per
+    used expert on its tokens (the dispatcher picks each launch's path by its count); that
+    host read cannot run under CUDA graph capture, which raises ``RuntimeError``.
 
     The ids' range is checked on the host (one device sync) unless ``ids_in_range``: a caller
     whose ids lie in ``[0, experts)`` by construction (the modules' routing clamps them) passes
@@ -237,24 +267,26 @@ def experts_linear(
             f"{list(expert_ids.shape)}"
         )
     if expert_ids.numel() and not ids_in_range:
+        if capturing_cuda_graph(x.device):
+            raise RuntimeError(
+                "experts_linear checks the expert ids' range on the host, which a CUDA graph "
+                "capture cannot; pass ids_in_range=True when the ids lie in [0, experts) by "
+                "construction (clamped by the routing)"
+            )
         low, high = (int(v) for v in torch.stack(torch.aminmax(expert_ids)).tolist())
         if low < 0 or high >= experts:
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")
-    if 0 < x.shape[0] <= FUSED_EXPERT_ROWS and not w8a8:
-        plan = experts_plan_for(payload, x.device)
-        if plan.stacked is not None:
+    plan = experts_plan_for(payload, x.device) if x.shape[0] and not w8a8 else None
+    if plan is not None and plan.stacked is not None:
+        if x.shape[0] <= FUSED_EXPERT_ROWS:
             return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
-    grouped = (
-        stacked_experts(payload, expert_ids)
-        if x.shape[0] > FUSED_EXPERT_ROWS and not w8a8
-        else None
-    )
-    if grouped is not None:
         from qlens.kernels.grouped_experts import grouped_experts_linear  # Triton, on first use
 
-        w, rows = grouped
+        w, strides = plan.stacked
         b = None if bias is None else bias.contiguous()
+        rows = expert_rows(strides, expert_ids)
         return grouped_experts_linear(x.contiguous(), w, rows, experts, b)
+    require_no_graph_capture(payload, x.device, w8a8)
     out = x.new_empty((x.shape[0], n))
     views = expert_views(payload)
     order = torch.argsort(expert_ids, stable=True)
@@ -267,3 +299,36 @@ def experts_linear(
             out[token_rows] = quantized_linear(x[token_rows], views[expert], b, w8a8=w8a8)
             start += count
     return out
+
+
+def capturing_cuda_graph(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA device) is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def require_no_graph_capture(payload: QuantPayload, device: torch.device, w8a8: bool) -> None:
+    """Raise ``RuntimeError`` when experts that run one by one (a host read of the routing)
+    would run under CUDA graph capture, saying why they do and what runs instead."""
+    if not capturing_cuda_graph(device):
+        return
+    why = "W8A8" if w8a8 else one_launch_refusal(payload, device)
+    raise RuntimeError(
+        f"{payload.format.name} experts of shape {list(payload.shape)} run one launch per used "
+        f"expert ({why}), which reads the routing on the host, and a CUDA graph capture cannot: "
+        "compile without CUDA graphs (torch.compile(model, mode='default')), or quantize the "
+        f"experts with a scheme whose experts run in one launch ({', '.join(ONE_LAUNCH_SCHEMES)}"
+        "; contiguous, packed 4-bit rows in whole 32-bit words)"
+    )
+
+
+def one_launch_refusal(payload: QuantPayload, device: torch.device) -> str:
+    """Why no one-launch path runs the ``[experts, out, in]`` payload on ``device``."""
+    problem = kernel_device_problem(device)
+    if problem is not None:
+        return problem
+    w = first_expert_view(payload)
+    if w is None:
+        return unsupported_reason(select_expert(payload, 0)) or "a layout the kernels do not read"
+    if w.packed and word_view(w) is None:
+        return f"packed 4-bit rows of {w.data.shape[-1]} bytes, not whole 32-bit words"
+    return "non-contiguous tensors; call .contiguous() on them"

@@ -146,7 +146,7 @@ class PackedGemv:
             slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
             m, w.n, w.k, 8 * n_words, n_words, words.stride(0), scales.stride(0), w.n,
             m * w.n if split > 1 else 0,
-            *((0, 0, 0) if experts is None else (experts.words, experts.scales,
+            *((0, 0, 0) if experts is None else (experts.data, experts.scales,
                                                  experts.global_scale)),
         )  # fmt: skip
         # x, then bias, out, partials and expert ids where the launch reads them

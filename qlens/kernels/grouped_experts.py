@@ -5,12 +5,14 @@ row found with ``torch.searchsorted`` (``torch.bincount`` reads the ids' maximum
 on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program computes one tile's
 ``BLOCK_N`` output columns. A program finds its tile's expert from the per-expert row bounds (a
 cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
-original positions, decodes its expert's packed 4-bit words with the word-wise GEMV's decode
-(``packed_gemv._dot_tile``: int4 with or without zero points, MXFP4, NVFP4 with one global
-scale or one per expert), multiplies on tensor cores and writes the rows back where they came
-from. The grid is sized on the host without reading the ids: ``ceil(rows / BLOCK_M) + experts``
-tiles bound the real count, and programs past it return at once.
-"""
+original positions, decodes its expert's weight tile, multiplies on tensor cores and writes the
+rows back where they came from. Packed 4-bit words take the word-wise GEMV's decode
+(``packed_gemv.dot_k_range``: int4 with or without zero points, MXFP4, NVFP4 with one global
+scale or one per expert); one-byte elements (fp8-block, MXFP8, int8) the weight-only kernel's
+(``weight_only.byte_dot_tile``: the tile decoded to float32, scaled per block, then cast to
+the activations' dtype for the dot). The grid is sized on the host without reading the ids:
+``ceil(rows / BLOCK_M) + experts`` tiles bound the real count, and programs past it return at
+once."""
 
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, permute_codes
-from qlens.kernels.launch import dot_kernel_args, on_device
-from qlens.kernels.packed_gemv import _dot_tile
-from qlens.kernels.packed_words import ExpertRows, word_view
+from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
+from qlens.kernels.packed_gemv import dot_k_range
+from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
+from qlens.kernels.weight_only import byte_dot_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -56,20 +59,22 @@ def _tile_rows(bounds_ptr, tile, E, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
 @triton.jit
 @no_type_check
 def _grouped_experts_kernel(
-    xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, order_ptr, bounds_ptr,
-    M, N, K, E, stride_xm, stride_xj, stride_w, stride_s, stride_om,
-    stride_we, stride_se, stride_ge,
-    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, order_ptr, bounds_ptr,
+    M, N, K, E, stride_xm, stride_xj, stride_d, stride_s, stride_om,
+    stride_de, stride_se, stride_ge,
+    FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MASK_N: tl.constexpr, EXPERTS: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` columns of one tile of ``BLOCK_M`` rows of one expert.
 
     ``order`` holds the rows sorted by expert (original positions), ``bounds`` each expert's
-    first sorted row; the expert's words, scales (and zero points), global scale and bias lie
-    ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
+    first sorted row; the expert's data, scales (and zero points), global scale and bias lie
+    ``stride_de``, ``stride_se``, ``stride_ge`` and ``N`` elements after the previous one's.
+    ``PACKED``: int32 words of packed 4-bit codes and ``x`` regrouped by code position
+    (``permute_codes``); else one byte an element (fp8, int8) and ``x`` as it is.
     """
     # One grid axis (no 65535 limit on the tiles): the column tiles of one row tile run next to
     # each other, so each tile's rows of x are read from memory once.
@@ -83,7 +88,7 @@ def _grouped_experts_kernel(
     # Rows past the tile's end read as M: masked off by every load and store below.
     offs_m = tl.load(order_ptr + sorted_rows, mask=sorted_rows < end, other=M).to(tl.int64)
     offset = expert.to(tl.int64)
-    words_ptr += offset * stride_we
+    data_ptr += offset * stride_de
     scale_ptr += offset * stride_se
     zero_ptr += offset * stride_se
     global_ptr += offset * stride_ge
@@ -91,18 +96,25 @@ def _grouped_experts_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
-    for k0 in range(0, k_full, BLOCK_K):
-        acc = _dot_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
-            stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+    if PACKED:
+        acc = dot_k_range(
+            acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, 0, k_full, K,
+            M, N, K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
         )  # fmt: skip
-    if k_full < K:
-        acc = _dot_tile(
-            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M,
-            N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
-        )  # fmt: skip
+    else:
+        for k0 in range(0, k_full, BLOCK_K):
+            acc = byte_dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
+                K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, INTERPRET,
+            )  # fmt: skip
+        if k_full < K:
+            acc = byte_dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                M, N, K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, INTERPRET,
+            )  # fmt: skip
     store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 0, 0, HAS_BIAS,
                1, INTERPRET)  # fmt: skip
 
@@ -110,18 +122,19 @@ def _grouped_experts_kernel(
 GROUPED_EXPERTS = FastLaunch(_grouped_experts_kernel)
 
 
-def grouped_config(rows: int, experts: int, n: int) -> LinearConfig:
+def grouped_config(rows: int, experts: int, n: int, *, packed: bool = True) -> LinearConfig:
     """Tiles of the grouped launch: ``BLOCK_M`` near the mean rows per expert (16 to 64, so
-    few rows are padding), 64 columns, 128-element K steps pipelined 3 deep on 8 warps. Chosen
-    by registers, not yet by time: compiled for sm_90 (Triton 3.9) these launches spill
-    nothing for any family, while 256-element K steps at 64 rows spilled 400-750 bytes a
-    thread on 4 warps and 100-150 on 8 (``test_grouped_experts_sm90.py``). The interpreter
-    takes at most 64 columns."""
+    few rows are padding), 64 columns, K steps of 128 elements (``packed`` 4-bit words) or 64
+    (one byte an element) pipelined 3 deep on 8 warps. Chosen by registers, not yet by time:
+    compiled for sm_90 (Triton 3.9) these launches spill nothing for any family, while
+    256-element K steps of packed words at 64 rows spilled 400-750 bytes a thread on 4 warps
+    and 100-150 on 8, and 128-element steps of fp8 bytes 344-360 on 8 warps and 1448 on 4
+    (``test_grouped_experts_sm90.py``). The interpreter takes at most 64 columns."""
     block_m = min(64, max(16, 1 << max(ceil_div(rows, experts) - 1, 0).bit_length()))
     if interpreting():
         block_n = min(64, max(16, 1 << max(n - 1, 0).bit_length()))
         return LinearConfig("gemm", block_m, block_n, 128, num_warps=4, num_stages=1)
-    return LinearConfig("gemm", block_m, 64, 128, num_warps=8, num_stages=3)
+    return LinearConfig("gemm", block_m, 64, 128 if packed else 64, num_warps=8, num_stages=3)
 
 
 def expert_row_bounds(
@@ -135,13 +148,9 @@ def expert_row_bounds(
 
 
 def check_grouped_inputs(x: Tensor, w: KernelWeight, num_experts: int, bias: Tensor | None) -> None:
-    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts."""
+    """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts
+    (the activations' dtype is checked by :class:`GroupedExperts`)."""
     require_kernel_device(x.device)
-    if x.dtype not in _TL_DTYPES:
-        raise ValueError(
-            f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, got "
-            f"{x.dtype}; cast the input first"
-        )
     if w.data.device != x.device:
         raise ValueError(
             f"input is on {x.device} but the quantized experts are on {w.data.device}; move one "
@@ -164,38 +173,82 @@ def grouped_experts_linear(
 ) -> Float[Tensor, "rows n"]:
     """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` for every row in one launch.
 
-    ``w`` is the first expert's view (packed 4-bit rows of whole int32 words), ``experts`` the
-    rows' ids (in ``[0, num_experts)``: rows of other ids are left unwritten) and the strides
-    between experts; ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
+    ``w`` is the first expert's view: packed 4-bit rows of whole int32 words, or one byte an
+    element (fp8-block, MXFP8, int8); ``experts`` holds the rows' ids (in ``[0,
+    num_experts)``: rows of other ids are left unwritten) and the strides between experts;
+    ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
     """
-    words = word_view(w)
-    if words is None:
-        raise ValueError(
-            f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
-            f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
-        )
     check_grouped_inputs(x, w, num_experts, bias)
-    rows, k = x.shape
-    cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n)
-    out = torch.empty((rows, w.n), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    order, bounds = expert_row_bounds(experts.ids, num_experts)
-    xp = permute_codes(x, for_dot=True)
-    _, scales, zeros, global_scale = dot_kernel_args(w)
-    max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
-    interpret = interpreting()
-    with on_device(x.device):
-        GROUPED_EXPERTS.launch(
-            (ceil_div(w.n, cfg.block_n) * max_tiles,), xp, words, scales, zeros, global_scale,
-            bias if bias is not None else x, out, order, bounds,
-            rows, w.n, k, num_experts, xp.stride(0), xp.stride(1), words.stride(0),
-            scales.stride(0), out.stride(0), experts.words, experts.scales, experts.global_scale,
-            FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
-            HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=bias is not None,
+    call = GroupedExperts(w, experts, num_experts, x.shape[0], x.dtype, bias is not None, cfg)
+    return call(x, bias, experts.ids)
+
+
+class GroupedExperts:
+    """The grouped launch of experts stacked at ``strides`` after the first expert's view
+    ``w``, for ``rows`` rows of ``dtype``, built once (``ExpertsPlan`` keeps one per decode row
+    count): a call regroups ``x`` (packed words), sorts the rows by expert, allocates the output
+    and launches. The inputs are not checked (:func:`grouped_experts_linear` checks them)."""
+
+    def __init__(
+        self,
+        w: KernelWeight,
+        strides: ExpertStrides,
+        num_experts: int,
+        rows: int,
+        dtype: torch.dtype,
+        has_bias: bool,
+        cfg: LinearConfig | None = None,
+    ) -> None:
+        words = word_view(w) if w.packed else None
+        if w.packed and words is None:
+            raise ValueError(
+                f"the grouped experts GEMM needs packed 4-bit rows of whole int32 words, got "
+                f"{w.name} with {w.data.shape[-1]} bytes a row; run experts one by one instead"
+            )
+        if dtype not in _TL_DTYPES:
+            raise ValueError(
+                f"the grouped experts GEMM takes {[str(d) for d in _TL_DTYPES]} activations, "
+                f"got {dtype}; cast the input first"
+            )
+        cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n, packed=w.packed)
+        data, scales, zeros, global_scale = dot_kernel_args(w)
+        if words is not None:
+            n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [rows, 8, n_words]
+            data, stride_xm, stride_xj = words, 8 * n_words, n_words
+        else:
+            stride_xm, stride_xj = w.k, 1
+        self.packed, self.num_experts = words is not None, num_experts
+        self.out_shape, self.dtype, self.device = (rows, w.n), dtype, data.device
+        max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
+        self.grid = (ceil_div(w.n, cfg.block_n) * max_tiles,)
+        self.weights = (data, scales, zeros, global_scale)
+        self.sizes = (
+            rows, w.n, w.k, num_experts, stride_xm, stride_xj, data.stride(0), scales.stride(0),
+            w.n, strides.data, strides.scales, strides.global_scale,
+        )  # fmt: skip
+        interpret = interpreting()
+        self.options = dict(
+            **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
-            X_DTYPE=_TL_DTYPES[x.dtype], USE_ASM=not interpret, INTERPRET=interpret,
+            X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret, INTERPRET=interpret,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return out
+
+    def __call__(
+        self, x: Float[Tensor, "rows k"], bias: Tensor | None, ids: Integer[Tensor, " rows"]
+    ) -> Float[Tensor, "rows n"]:
+        """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` (``bias``: contiguous)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.out_shape[0] == 0:
+            return out
+        if not x.is_contiguous():
+            x = x.contiguous()
+        xk = permute_codes(x, for_dot=True) if self.packed else x
+        order, bounds = expert_row_bounds(ids, self.num_experts)
+        with on_device(self.device):
+            GROUPED_EXPERTS.launch(
+                self.grid, xk, *self.weights, bias if bias is not None else xk, out, order,
+                bounds, *self.sizes, **self.options,
+            )  # fmt: skip
+        return out

@@ -236,6 +236,33 @@ def _dot_tile(
 
 @triton.jit
 @no_type_check
+def dot_k_range(
+    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full,
+    k_end, M, N, K, stride_xm, stride_xj, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr, X_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``_dot_tile`` over ``[k_begin, k_end)``: whole ``BLOCK_K`` steps up to ``k_full``
+    unmasked along K, then the masked rest."""
+    for k0 in range(k_begin, k_full, BLOCK_K):
+        acc = _dot_tile(
+            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
+            K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
+    if k_full < k_end:
+        acc = _dot_tile(
+            acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M,
+            N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+@no_type_check
 def packed_gemv_kernel(
     xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, ids_ptr,
     M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
@@ -269,22 +296,12 @@ def packed_gemv_kernel(
     k_end = tl.minimum(k_begin + k_span, K)
     k_full = tl.maximum(k_begin, k_end - k_end % BLOCK_K)
     if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_full, BLOCK_K):
-            acc = _dot_tile(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M,
-                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE,
-                INTERPRET,
-            )  # fmt: skip
-        if k_full < k_end:
-            acc = _dot_tile(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE,
-                INTERPRET,
-            )  # fmt: skip
-        total = acc
+        total = dot_k_range(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xp_ptr, words_ptr, scale_ptr,
+            zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full, k_end, M, N, K, stride_xm,
+            stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
+            BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+        )  # fmt: skip
     else:  # one row (BLOCK_M == 1)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):

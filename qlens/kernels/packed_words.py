@@ -26,10 +26,11 @@ def word_view(w: KernelWeight) -> Tensor | None:
 
 @dataclass(frozen=True)
 class ExpertStrides:
-    """Experts stacked as consecutive blocks of rows: one expert's words, scales and global
-    scale lie ``words``, ``scales`` and ``global_scale`` elements apart (0: shared)."""
+    """Experts stacked as consecutive blocks of rows: one expert's data, scales and global
+    scale lie ``data``, ``scales`` and ``global_scale`` elements apart (0: shared); ``data``
+    counts the elements the kernels read (int32 words of packed 4-bit codes, or bytes)."""
 
-    words: int
+    data: int
     scales: int
     global_scale: int
 

@@ -49,6 +49,31 @@ def _dot_left(w, xt, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 @no_type_check
+def byte_dot_tile(
+    acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+    stride_xm, stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``acc[m, n] += x[m, k0:k0 + BLOCK_K] @ W[n, k0:k0 + BLOCK_K]`` for a one-byte-per-element
+    weight (fp8, int8): the tile decoded to float32, then a tensor-core dot in ``x``'s dtype.
+    Rows ``offs_m`` at or past ``M`` read zeros; ``EVEN_K``: the tile lies inside K."""
+    w = decode_byte_tile(
+        data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+        FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+    )  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask=(offs_m < M)[:, None] & ((offs_k < K)[None, :] | EVEN_K),
+        other=0.0,
+    )
+    return _dot_acc(x, w, acc, INTERPRET)
+
+
+@triton.jit
+@no_type_check
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of program ``pid`` in grouped order: ``GROUP_M`` row tiles sweep the
     N tiles together, so the weight tiles they share stay in L2."""
@@ -116,17 +141,11 @@ def _weight_only_kernel(
             acc = _dot_acc(x_even, w_even, acc, INTERPRET)
             acc = _dot_acc(x_odd, w_odd, acc, INTERPRET)
         else:
-            w = decode_byte_tile(
-                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
-                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            acc = byte_dot_tile(
+                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+                stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET,
             )  # fmt: skip
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                mask=m_mask[:, None] & ((offs_k < K)[None, :] | EVEN_K),
-                other=0.0,
-            )
-            acc = _dot_acc(x, w, acc, INTERPRET)
 
     if WEIGHT_LEFT:
         acc = tl.trans(acc)

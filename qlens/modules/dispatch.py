@@ -30,9 +30,10 @@ def fused_experts_forward(
     ``ExpertsPlan``) for every routed (token, expert) pair, weighted and summed as
     ``route_to_experts`` does (ids outside ``[0, experts of first)`` skipped).
 
-    Where the plans allow (``ExpertsPlan.one_launch``), every row runs at once: for packed
-    4-bit experts one launch a projection (the word-wise GEMV for few rows, the grouped GEMM for
-    prefill), with no host sync: the routing clamps the ids. Otherwise each hit expert runs its
+    Where the plans allow (``ExpertsPlan.one_launch``), every row runs at once, one launch a
+    projection (packed 4-bit experts: the word-wise GEMV for few rows, the grouped GEMM for
+    prefill; one-byte experts: the grouped GEMM), with no host sync: the routing clamps the
+    ids. Otherwise each hit expert runs its
     two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
     firsts, downs = first.views, down.views

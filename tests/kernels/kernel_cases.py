@@ -57,3 +57,23 @@ def count_grouped_launches(monkeypatch) -> list:
         lambda grid, *args, **kwargs: grids.append(grid) or real(grid, *args, **kwargs),
     )
     return grids
+
+
+def record_grouped_launches_without_host_reads(patch) -> list:
+    """Within the monkeypatch context ``patch``: every way a tensor's value reaches Python
+    raises, the per-expert loop cannot run, and the grouped experts GEMM's launches are
+    recorded as ``(args, options)`` (with the grid first in ``args``), not run."""
+    import qlens.kernels.experts as experts_module
+    import qlens.kernels.grouped_experts as grouped_module
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__"):
+        patch.setattr(torch.Tensor, name, host_read)
+    patch.setattr(experts_module, "quantized_linear", None)  # no per-expert launches
+    recorded: list = []
+    patch.setattr(
+        grouped_module.GROUPED_EXPERTS, "launch", lambda *a, **kw: recorded.append((a, kw))
+    )
+    return recorded

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import count_grouped_launches, rel_err
@@ -86,7 +88,7 @@ def test_first_expert_view_is_kept_until_the_payload_changes():
     payload.data = payload.data.clone()  # another tensor: the view is built again, on it
     again, rows = stacked_experts(payload, ids)
     assert again is not w and again.data.data_ptr() == payload.data.data_ptr()
-    assert rows.words == again.data.numel() // 4
+    assert rows.data == again.data.numel() // 4
     odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
     assert stacked_experts(odd, ids) is None and stacked_experts(odd, ids) is None
 
@@ -145,3 +147,48 @@ def test_gguf_experts_run_each_expert_through_the_dequantize_route(type_name):
         repacked = repack_to_qlens(payload)
         assert torch.equal(dequantize(repacked, torch.float32), weights)
         assert rel_err(experts_linear(x, repacked, ids), ref) < 1e-6
+
+
+def test_the_expert_loop_refuses_cuda_graph_capture(monkeypatch):
+    """Experts that run one launch per used expert read the routing on the host, which a CUDA
+    graph capture cannot: under capture (patched in) they raise, saying why and what to do, as
+    does the host check of the ids' range; experts in one launch run as before."""
+    import qlens.kernels.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "capturing_cuda_graph", lambda device: True)
+    odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
+    ids = torch.tensor([2, 0, 2, 1])
+    with pytest.raises(
+        RuntimeError,
+        match=r"int4 experts of shape \[3, 16, 90\] run one launch per used expert \(packed "
+        r"4-bit rows of 45 bytes, not whole 32-bit words\).*mode='default'.*int4, mxfp4, nvfp4, "
+        r"fp8-block, mxfp8, int8",
+    ):
+        experts_linear(torch.randn(4, 90), odd, ids, ids_in_range=True)
+    fp8 = quantize_weight(torch.randn(3, 16, 128), "fp8-block")
+    x = torch.randn(4, 128)
+    with pytest.raises(RuntimeError, match=r"fp8_block experts .* per used expert \(W8A8\)"):
+        experts_linear(x, fp8, ids, w8a8=True, ids_in_range=True)
+    strided = dataclasses.replace(fp8, data=fp8.data.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(RuntimeError, match=r"\(.*data must be contiguous; call .contiguous\(\)"):
+        experts_linear(x, strided, ids, ids_in_range=True)
+    blocks = quantize_weight(torch.randn(3, 16, 128), "fp8-block", block_size=(8, 32))
+    scales = blocks.scales.transpose(0, 1).contiguous().transpose(0, 1)  # [3, 2, 4], strided
+    with pytest.raises(RuntimeError, match=r"\(non-contiguous tensors; call .contiguous\(\)"):
+        experts_linear(x, dataclasses.replace(blocks, scales=scales), ids, ids_in_range=True)
+    with pytest.raises(RuntimeError, match=r"range on the host.*pass ids_in_range=True"):
+        experts_linear(x, fp8, ids)
+    ref = torch.einsum("tk,tnk->tn", x.double(), dequantize(fp8, torch.float64)[ids])
+    assert rel_err(experts_linear(x, fp8, ids, ids_in_range=True), ref) < 1e-6
+
+
+def test_experts_on_devices_without_kernels_refuse_cuda_graph_capture(monkeypatch):
+    """The reference route of the experts op (no kernels on the device) loops over the experts
+    on the host too, so it refuses a capture as well, naming the device's problem."""
+    import qlens.kernels.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "capturing_cuda_graph", lambda device: True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    payload = quantize_weight(torch.randn(3, 16, 64), "mxfp4")
+    with pytest.raises(RuntimeError, match=r"mxfp4 experts .* \(Triton kernels need a CUDA"):
+        experts_module.rows_through_experts(torch.randn(2, 64), payload, torch.tensor([1, 2]))

@@ -1,5 +1,6 @@
-"""The grouped experts GEMM compiled for a real GPU at a Qwen3-30B-A3B-like prefill (skipped
-without CUDA): 64 experts, hidden 2048, moe_intermediate 768, 1024 tokens routed top-8."""
+"""The grouped experts GEMM compiled for a real GPU at a Qwen3-30B-A3B-like prefill and decode
+(skipped without CUDA): 64 experts, hidden 2048, moe_intermediate 768, 1024 tokens (prefill)
+or 1-4 tokens (decode) routed top-8."""
 
 from __future__ import annotations
 
@@ -27,14 +28,19 @@ SCHEMES = (
     ("int4", {"group_size": 32, "asymmetric": True}),
     ("mxfp4", {}),
     ("nvfp4", {}),
+    ("fp8-block", {}),
+    ("mxfp8", {}),
+    ("int8", {"group_size": 128}),
 )
+BYTE_SCHEMES = SCHEMES[4:]
 # bf16 activations and decoded weights round at 2**-9 relative, as do the outputs.
 BF16_TOLERANCE = 8e-3
 
 
-def _routes(gen: torch.Generator) -> torch.Tensor:
-    """Top-8 experts of 1024 tokens under random router logits, one id per (token, route) row."""
-    logits = torch.randn(TOKENS, EXPERTS, generator=gen)
+def _routes(gen: torch.Generator, tokens: int = TOKENS) -> torch.Tensor:
+    """Top-8 experts of ``tokens`` tokens under random router logits, one id per (token, route)
+    row."""
+    logits = torch.randn(tokens, EXPERTS, generator=gen)
     return logits.topk(TOP_K, dim=-1).indices.reshape(-1).cuda()
 
 
@@ -77,12 +83,32 @@ def test_grouped_experts_at_prefill_shapes_on_gpu(case, monkeypatch):
     assert len(launches) == 2
 
 
-def test_grouped_experts_make_no_host_sync_on_gpu():
+@pytest.mark.parametrize("case", BYTE_SCHEMES, ids=scheme_id)
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_byte_experts_decode_rows_in_one_launch_on_gpu(case, tokens, monkeypatch):
+    """A decode step's few rows of one-byte experts take one grouped launch a projection."""
+    launches = count_grouped_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    ids = _routes(gen, tokens)
+    for n, k in ((2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)):
+        payload = _payload(n, k, case, gen)
+        bias = (torch.randn(EXPERTS, n, generator=gen) * 0.1).cuda().to(torch.bfloat16)
+        x = torch.randn(tokens * TOP_K, k, generator=gen).cuda().to(torch.bfloat16)
+        out = experts_linear(x, payload, ids, bias, ids_in_range=True)
+        ref = _reference(x, payload, ids) + bias.double()[ids]
+        assert rel_err(out, ref) < BF16_TOLERANCE, (n, k)
+    assert len(launches) == 2
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tokens"), [("nvfp4", TOKENS), ("fp8-block", TOKENS), ("fp8-block", 2)]
+)
+def test_grouped_experts_make_no_host_sync_on_gpu(scheme, tokens):
     """With CUDA's sync debug mode set to error, a warm grouped call raises on any sync."""
     gen = torch.Generator().manual_seed(1)
-    ids = _routes(gen)
-    payload = _payload(2 * INTERMEDIATE, HIDDEN, ("nvfp4", {}), gen)
-    x = torch.randn(TOKENS * TOP_K, HIDDEN, generator=gen).cuda().to(torch.bfloat16)
+    ids = _routes(gen, tokens)
+    payload = _payload(2 * INTERMEDIATE, HIDDEN, (scheme, {}), gen)
+    x = torch.randn(tokens * TOP_K, HIDDEN, generator=gen).cuda().to(torch.bfloat16)
     expected = experts_linear(x, payload, ids, ids_in_range=True)  # compiles the kernel
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -119,13 +145,14 @@ def test_quant_experts_prefill_matches_the_expert_loop_on_gpu(monkeypatch):
     assert rel_err(grouped, loop) < 2 * BF16_TOLERANCE
 
 
-def test_grouped_experts_replay_in_a_cuda_graph_on_gpu():
+@pytest.mark.parametrize(("scheme", "tokens"), [("mxfp4", TOKENS), ("fp8-block", 2)])
+def test_grouped_experts_replay_in_a_cuda_graph_on_gpu(scheme, tokens):
     """No host sync, so the grouped call captures into a CUDA graph; a replay on new routes and
     activations (copied into the captured inputs) equals an eager call on them."""
     gen = torch.Generator().manual_seed(3)
-    payload = _payload(HIDDEN, INTERMEDIATE, ("mxfp4", {}), gen)
-    ids = _routes(gen)
-    x = torch.randn(TOKENS * TOP_K, INTERMEDIATE, generator=gen).cuda().to(torch.bfloat16)
+    payload = _payload(HIDDEN, INTERMEDIATE, (scheme, {}), gen)
+    ids = _routes(gen, tokens)
+    x = torch.randn(tokens * TOP_K, INTERMEDIATE, generator=gen).cuda().to(torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -134,8 +161,22 @@ def test_grouped_experts_replay_in_a_cuda_graph_on_gpu():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = experts_linear(x, payload, ids, ids_in_range=True)
-    ids.copy_(_routes(gen))
+    ids.copy_(_routes(gen, tokens))
     x.copy_(torch.randn(x.shape, generator=gen).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, experts_linear(x, payload, ids, ids_in_range=True))
+
+
+def test_the_expert_loop_refuses_a_cuda_graph_capture_on_gpu():
+    """W8A8 experts run one launch per used expert (a host read of the routing): captured into
+    a CUDA graph they raise the qlens error, before any operation that breaks the capture."""
+    gen = torch.Generator().manual_seed(5)
+    payload = _payload(HIDDEN, INTERMEDIATE, ("fp8-block", {}), gen)
+    ids = _routes(gen, 2)
+    x = torch.randn(2 * TOP_K, INTERMEDIATE, generator=gen).cuda().to(torch.bfloat16)
+    experts_linear(x, payload, ids, w8a8=True, ids_in_range=True)  # runs eagerly
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"run one launch per used expert \(W8A8\)"):
+        with torch.cuda.graph(graph):
+            experts_linear(x, payload, ids, w8a8=True, ids_in_range=True)

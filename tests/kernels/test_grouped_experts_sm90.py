@@ -1,7 +1,7 @@
 """The grouped experts GEMM compiled for sm_90 on the CPU (no GPU needed): the GPU-only code the
 interpreter never runs (the E2M1 inline assembly, Hopper's tensor-core dots, the early exit of
-programs past the last tile) compiles for every family, and the default launches spill no
-registers. The launch arguments come from the real host code, launches recorded instead of run."""
+programs past the last tile) compiles for every family, packed 4-bit and one byte an element
+(fp8-block, MXFP8, int8), and the default launches spill no registers. The launch arguments come from the real host code, launches recorded instead of run."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ recorded = []
 g.GROUPED_EXPERTS.launch = lambda grid, *args, **options: recorded.append((args, options))
 g.require_kernel_device = lambda device: None  # CPU tensors stand in for the GPU's
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
 CASES = [  # scheme, options, rows, activations, one global scale per expert
     ("int4", {}, 640, torch.bfloat16, False),
     ("int4", {"group_size": 32, "asymmetric": True}, 640, torch.bfloat16, False),
@@ -51,6 +51,10 @@ CASES = [  # scheme, options, rows, activations, one global scale per expert
     ("nvfp4", {}, 200, torch.bfloat16, False),
     ("int4", {}, 70, torch.bfloat16, False),
     ("mxfp4", {}, 70, torch.float32, False),
+    ("fp8-block", {}, 640, torch.bfloat16, False),
+    ("fp8-block", {}, 16, torch.bfloat16, False),
+    ("mxfp8", {}, 640, torch.bfloat16, False),
+    ("int8", {"asymmetric": True}, 200, torch.float16, False),
 ]
 kernel = g._grouped_experts_kernel
 tools = sys.argv[1]
@@ -84,9 +88,10 @@ for scheme, options, rows, dtype, per_expert in CASES:
     os.unlink(f.name)
     fields = dict(item.split(":") for item in usage.split("REG:")[-1].replace("REG", "").split()
                   if ":" in item)
-    results.append({"case": f"{scheme} {options} {rows} rows {dtype}",
+    results.append({"case": f"{scheme} {options} {rows} rows {dtype}", "scheme": scheme,
                     "use_asm": launch["USE_ASM"], "block_m": launch["BLOCK_M"],
-                    "stack": int(fields["STACK"]), "wgmma": "wgmma" in compiled.asm["ptx"]})
+                    "stack": int(fields["STACK"]), "wgmma": "wgmma" in compiled.asm["ptx"],
+                    "mma": "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"]})
 print(json.dumps(results))
 """
 
@@ -105,10 +110,12 @@ def test_grouped_launches_compile_for_sm90_without_spills():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 7
+    assert len(results) == 11
     for result in results:
         assert result["use_asm"], result  # the GPU decode, not the interpreter's
         assert result["stack"] == 0, result  # no registers spilled to local memory
         if result["block_m"] == 64 and "float32" not in result["case"]:
             assert result["wgmma"], result  # Hopper's tensor-core dots
     assert {r["block_m"] for r in results} == {16, 32, 64}
+    byte_cases = [r for r in results if r["scheme"] in ("fp8-block", "mxfp8", "int8")]
+    assert len(byte_cases) == 4 and all(r["mma"] for r in byte_cases), byte_cases  # tensor cores

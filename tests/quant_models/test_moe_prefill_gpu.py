@@ -1,5 +1,6 @@
-"""On a CUDA device: a quantized Qwen3-MoE prefill runs its routed experts as grouped launches,
-eager and compiled, and agrees with the CPU reference."""
+"""On a CUDA device: a quantized Qwen3-MoE prefill (and a one-byte experts' decode step) runs
+its routed experts as grouped launches, eager and compiled, and agrees with the CPU
+reference."""
 
 from __future__ import annotations
 
@@ -17,12 +18,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("scheme", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize(
+    ("scheme", "seq"),
+    [(s, 40) for s in ("int4", "mxfp4", "nvfp4", "fp8-block", "mxfp8", "int8")]
+    + [("fp8-block", 1), ("int8", 1)],
+)
 def test_moe_prefill_takes_grouped_launches_and_matches_the_cpu_reference(
-    scheme: str, monkeypatch: pytest.MonkeyPatch
+    scheme: str, seq: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """seq 40: 80 tokens x top-2, 160 rows, more than 64 (prefill); seq 1: a decode step's 4
+    rows, which one-byte experts run in the grouped launch too."""
     model = quantize(make_model("qwen3_moe"), scheme)
-    ids = input_ids(seq=40, batch=2)  # 80 tokens x top-2: 160 rows, more than 64
+    ids = input_ids(seq=seq, batch=2)
     with torch.no_grad():
         expected = model(ids).logits  # CPU: each expert through the torch reference
     grids: list[tuple[int, ...]] = []

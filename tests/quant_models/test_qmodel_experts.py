@@ -82,20 +82,26 @@ def test_one_launch_routing_needs_an_accelerator_and_rows() -> None:
     assert not experts_in_one_launch((payload,), meta, 0)
 
 
-def test_prefill_in_one_launch_needs_packed_words(monkeypatch) -> None:
-    """Beyond FUSED_EXPERT_ROWS rows only packed 4-bit experts in whole words run all at once
-    (the grouped GEMM); other formats the kernels read keep the expert loop."""
+def test_prefill_in_one_launch_needs_whole_words_or_bytes(monkeypatch) -> None:
+    """Beyond FUSED_EXPERT_ROWS rows packed 4-bit experts in whole words and one-byte experts
+    (fp8-block, MXFP8, int8) run all at once (the grouped GEMM); packed rows that are not
+    whole words keep the expert loop."""
     monkeypatch.setattr("qlens.kernels.experts.kernel_device_problem", lambda device: None)
-    from qlens.kernels.experts import FUSED_EXPERT_ROWS, experts_in_one_launch
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan, experts_in_one_launch
 
     meta = torch.empty(2, 64, device="meta")
     packed = quantize_weight(torch.randn(3, 32, 64), "nvfp4")
     fp8 = quantize_weight(torch.randn(3, 32, 64), "fp8-block", block_size=(16, 32))
+    mxfp8 = quantize_weight(torch.randn(3, 32, 64), "mxfp8")
+    int8 = quantize_weight(torch.randn(3, 32, 70), "int8", group_size=32)
     odd = quantize_weight(torch.randn(3, 16, 90), "int4", group_size=32)  # 45 bytes a row
-    assert experts_in_one_launch((packed,), meta, FUSED_EXPERT_ROWS + 1)
+    assert experts_in_one_launch((packed, fp8, mxfp8, int8), meta, FUSED_EXPERT_ROWS + 1)
     assert experts_in_one_launch((packed, fp8, odd), meta, FUSED_EXPERT_ROWS)
-    assert not experts_in_one_launch((packed, fp8), meta, FUSED_EXPERT_ROWS + 1)
-    assert not experts_in_one_launch((odd,), meta, FUSED_EXPERT_ROWS + 1)
+    assert not experts_in_one_launch((fp8, odd), meta, FUSED_EXPERT_ROWS + 1)
+    for payload in (fp8, mxfp8, int8):
+        plan = ExpertsPlan(payload, meta.device)
+        assert plan.one_launch(1) and plan.one_launch(FUSED_EXPERT_ROWS + 1)
+        assert plan.stacked is not None and not plan.stacked[0].packed  # grouped at any count
 
 
 def test_one_launch_routing_needs_formats_the_kernels_read(monkeypatch) -> None:
@@ -161,18 +167,30 @@ def test_payloads_are_exposed_and_float_weights_are_not() -> None:
     assert "format=mxfp8" in repr(experts) and "gate=stacked/silu" in repr(experts)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "mxfp4", "nvfp4"])
-def test_prefill_routes_through_grouped_launches(scheme: str, monkeypatch) -> None:
-    """A prefill of a quantized Qwen3-MoE whose (token, route) rows exceed FUSED_EXPERT_ROWS
-    runs each experts projection in one grouped launch (forced here: the interpreter runs the
-    kernels on CPU tensors), no expert loop and no host check of the ids; its logits match the
-    reference route (each expert dequantized and multiplied by torch) to float32 rounding."""
+@pytest.mark.parametrize(
+    ("scheme", "seq"),
+    [
+        ("int4", 20),
+        ("mxfp4", 20),
+        ("nvfp4", 20),
+        ("fp8-block", 20),
+        ("fp8-block", 1),
+        ("mxfp8", 20),
+        ("int8", 1),
+    ],
+)
+def test_moe_forwards_route_through_grouped_launches(scheme: str, seq: int, monkeypatch) -> None:
+    """A forward of a quantized Qwen3-MoE runs each experts projection in one grouped launch
+    (forced here: the interpreter runs the kernels on CPU tensors), no expert loop and no host
+    check of the ids: at prefill rows beyond FUSED_EXPERT_ROWS for every scheme, and at a
+    decode step's few rows for one-byte experts; its logits match the reference route (each
+    expert dequantized and multiplied by torch) to float32 rounding."""
     import qlens.kernels.experts as experts_module
     import qlens.kernels.grouped_experts as grouped_module
     from qlens.kernels.experts import FUSED_EXPERT_ROWS
 
     model = quantize(make_model("qwen3_moe"), scheme)
-    ids = input_ids(seq=20, batch=2)  # 40 tokens x top-2: 80 rows
+    ids = input_ids(seq=seq, batch=2)  # 2 * seq tokens x top-2
     with torch.no_grad():
         expected = model(ids).logits
     rows, launches = [], []
@@ -189,8 +207,23 @@ def test_prefill_routes_through_grouped_launches(scheme: str, monkeypatch) -> No
     monkeypatch.setattr(experts_module, "quantized_linear", None)  # nor an expert loop
     with torch.no_grad():
         got = model(ids).logits
-    assert rows == [80, 80] and rows[0] > FUSED_EXPERT_ROWS  # asked of gate_up's and down's plans
+    assert rows == [4 * seq, 4 * seq]  # asked of gate_up's and down's plans
+    assert (rows[0] > FUSED_EXPERT_ROWS) == (seq == 20)
     assert len(launches) == 2  # gate_up and down of the one MoE layer
     # Both routes decode the same weights exactly; only float32 summation orders differ
     # (logits near 1: differences near 1e-7).
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_the_module_expert_loop_refuses_cuda_graph_capture(monkeypatch) -> None:
+    """Experts without a one-launch path (here: the CPU) loop over the hit experts, reading the
+    routing on the host: under CUDA graph capture (patched in) the forward raises, naming the
+    remedies, instead of torch's copy error."""
+    model = quantize(make_model("qwen3_moe"), "fp8-block")
+    ids = input_ids(seq=3, batch=1)
+    monkeypatch.setattr("qlens.modules.routing.capturing_cuda_graph", lambda device: True)
+    with (
+        pytest.raises(RuntimeError, match=r"one expert at a time.*mode='default'.*fp8-block"),
+        torch.no_grad(),
+    ):
+        model(ids)

@@ -187,16 +187,22 @@ def test_gpt_oss_mxfp4_experts_run_through_qlens() -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
-def test_rerouted_experts_in_one_launch_match_without_a_host_check(monkeypatch) -> None:
+@pytest.mark.parametrize("checkpoint", ["gpt_oss mxfp4", "mixtral fp8"])
+def test_rerouted_experts_in_one_launch_match_without_a_host_check(
+    checkpoint: str, monkeypatch
+) -> None:
     """The one-launch experts path of a rerouted module (forced here: the interpreter runs the
-    kernels on CPU tensors) matches the reference and reads no expert ids on the host."""
+    kernels on CPU tensors) matches the reference and reads no expert ids on the host:
+    transformers' Mxfp4GptOssExperts through the word-wise GEMV, its FP8Experts (block FP8)
+    through the grouped GEMM."""
     from qlens.kernels.experts import ExpertsPlan
 
-    model, reference = _mxfp4_gpt_oss()
+    model, reference = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
     reroute_quantized_modules(model)
     ids = input_ids()[:, :4]  # 4 tokens x top-k routes: few rows, one launch per projection
     monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
     monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
+    monkeypatch.setattr("qlens.kernels.experts.quantized_linear", None)  # nor an expert loop
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
