@@ -178,12 +178,15 @@ class ExpertsPlan:
         self.stacked = stacked_view(payload)
         self._config = choose_config(1, n, k, device, packed_words=True)
         self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv | GroupedExperts] = {}
+        self._views: tuple[QuantPayload, ...] | None = None
 
     @property
     def views(self) -> tuple[QuantPayload, ...]:
-        """The experts' own payloads (built on first use, kept on the payload: a plan built
-        for each call of a compiled forward does not pay for them)."""
-        return expert_views(self.payload)
+        """The experts' own payloads (built on first use and kept: a plan built for each call
+        of a compiled forward does not pay for them)."""
+        if self._views is None:
+            self._views = expert_views(self.payload)
+        return self._views
 
     def one_launch(self, rows: int) -> bool:
         """Few rows through the word-wise GEMV (packed 4-bit words) or the grouped GEMM

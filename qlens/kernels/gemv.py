@@ -26,7 +26,7 @@ from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.splits import reduce_splits, store_tile
+from qlens.kernels.splits import prepared_reduce, store_tile
 from qlens.kernels.weight_only import weight_only_linear
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
@@ -139,6 +139,7 @@ class PackedGemv:
         self.m, self.n, self.for_dot, self.has_bias = m, w.n, use_dot, has_bias
         self.out_shape, self.dtype, self.device = (m, w.n), dtype, device
         self.partials_shape = (split, m, w.n) if split > 1 else None
+        self.reduce = prepared_reduce(split, m, w.n, has_bias, device, words) if split > 1 else None
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
         n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
@@ -179,8 +180,11 @@ class PackedGemv:
         if ids is not None:
             tensors.append(ids)
         self.launch(*tensors)
-        if self.partials_shape is not None:
-            reduce_splits(partials, bias, out)
+        if self.reduce is not None:
+            if bias is not None:
+                self.reduce(partials, bias, out)
+            else:
+                self.reduce(partials, out)
         return out
 
 
@@ -196,6 +200,7 @@ class ByteGemv:
         self.partials_shape = (split, m, w.n) if split > 1 else None
         data, scales, zeros, global_scale = kernel_args(w)
         device = self.device = data.device
+        self.reduce = prepared_reduce(split, m, w.n, has_bias, device, data) if split > 1 else None
         slot = data  # placeholder of a per-call tensor; unused pointers point at the data
         args = (
             slot, data, scales, zeros, global_scale, slot, slot, slot,
@@ -221,8 +226,11 @@ class ByteGemv:
             partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
             tensors.append(partials)
         self.launch(*tensors)
-        if self.partials_shape is not None:
-            reduce_splits(partials, bias, out)
+        if self.reduce is not None:
+            if bias is not None:
+                self.reduce(partials, bias, out)
+            else:
+                self.reduce(partials, out)
         return out
 
 

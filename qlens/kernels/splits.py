@@ -18,6 +18,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting
@@ -64,6 +65,10 @@ def _reduce_splits_kernel(
     )
 
 
+_REDUCE_BLOCK = 1024
+_REDUCE = FastLaunch(_reduce_splits_kernel)
+
+
 def reduce_splits(
     partials: Float[Tensor, "split m n"],
     bias: Float[Tensor, " n"] | None,
@@ -71,12 +76,25 @@ def reduce_splits(
 ) -> None:
     """``out = sum(partials) + bias``, summed in split order so results are deterministic."""
     split, m, n = partials.shape
-    block = 1024
     with on_device(out.device):
-        _reduce_splits_kernel[(ceil_div(m * n, block),)](
-            partials, bias if bias is not None else out, out, m, n, partials.stride(0), n, n,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=interpreting(),
+        _REDUCE.launch(
+            (ceil_div(m * n, _REDUCE_BLOCK),), partials, bias if bias is not None else out, out,
+            m, n, partials.stride(0), n, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK, INTERPRET=interpreting(),
         )  # fmt: skip
+
+
+def prepared_reduce(
+    split: int, m: int, n: int, has_bias: bool, device: torch.device, placeholder: Tensor
+) -> PreparedLaunch:
+    """:func:`reduce_splits` of contiguous ``[split, m, n]`` partials into a contiguous ``[m, n]``
+    output, prepared once: a call passes ``(partials, bias, out)``, or ``(partials, out)``."""
+    args = (placeholder, placeholder, placeholder, m, n, m * n, n, n)
+    slots = [0, 1, 2] if has_bias else [0, 2]
+    return _REDUCE.prepare(
+        (ceil_div(m * n, _REDUCE_BLOCK),), args, slots, device, SPLIT_K=split,
+        HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, INTERPRET=interpreting(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

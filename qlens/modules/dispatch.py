@@ -36,11 +36,10 @@ def fused_experts_forward(
     ids. Otherwise each hit expert runs its
     two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
-    firsts, downs = first.views, down.views
 
     def expert_fn(expert: int, x: Tensor) -> Tensor:
-        h = linear(x, firsts[expert], _row(first_bias, expert))
-        return linear(activate(h), downs[expert], _row(down_bias, expert))
+        h = linear(x, first.views[expert], _row(first_bias, expert))
+        return linear(activate(h), down.views[expert], _row(down_bias, expert))
 
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
         return down.rows(activate(first.rows(x, ids, first_bias)), ids, down_bias)

@@ -250,6 +250,7 @@ def test_every_launch_site_passes_runtime_parameters_by_position(monkeypatch):
     from qlens.kernels.fast_launch import _tail_arguments
     from qlens.kernels.fp8_w8a8 import _ACT_QUANT, _FP8_BLOCK_GEMM
     from qlens.kernels.gemv import _GEMV, PACKED_GEMV
+    from qlens.kernels.splits import _REDUCE
     from qlens.kernels.weight_only import _WEIGHT_ONLY
 
     recorded: list[tuple[FastLaunch, tuple[Any, ...], dict[str, Any]]] = []
@@ -274,7 +275,15 @@ def test_every_launch_site_passes_runtime_parameters_by_position(monkeypatch):
     dequantize_triton(payload, torch.bfloat16)
 
     seen = {launcher for launcher, _, _ in recorded}
-    assert seen == {PACKED_GEMV, _GEMV, _WEIGHT_ONLY, _ACT_QUANT, _FP8_BLOCK_GEMM, _DEQUANT}
+    assert seen == {
+        PACKED_GEMV,
+        _GEMV,
+        _WEIGHT_ONLY,
+        _ACT_QUANT,
+        _FP8_BLOCK_GEMM,
+        _DEQUANT,
+        _REDUCE,
+    }
     for launcher, args, options in recorded:
         kernel = JITFunction(launcher.kernel.fn)  # the compiled kernel's parameters
         tail = _tail_arguments(kernel, args, options)

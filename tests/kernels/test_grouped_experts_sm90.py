@@ -1,11 +1,11 @@
 """The grouped experts GEMM compiled for sm_90 on the CPU (no GPU needed): the GPU-only code the
 interpreter never runs (the E2M1 inline assembly, Hopper's tensor-core dots, the early exit of
 programs past the last tile) compiles for every family, packed 4-bit and one byte an element
-(fp8-block, MXFP8, int8), and the default launches spill no registers. The launch arguments come from the real host code, launches recorded instead of run."""
+(fp8-block, MXFP8, int8), and the default launches spill no registers. The launch arguments
+come from the real host code, launches recorded instead of run (tests/kernels/sm90_compile.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,26 +13,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from sm90_compile import nvidia_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _nvidia_tools() -> Path | None:
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return None
-    tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
-    return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
-
-
 COMPILE = """
-import json, os, subprocess, sys, tempfile
+import json, sys
 from dataclasses import replace
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90
 
 import qlens.kernels.grouped_experts as g
 from qlens.kernels.experts import stacked_experts
@@ -41,8 +32,6 @@ from qlens.quant.quantize import quantize_weight
 recorded = []
 g.GROUPED_EXPERTS.launch = lambda grid, *args, **options: recorded.append((args, options))
 g.require_kernel_device = lambda device: None  # CPU tensors stand in for the GPU's
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
 CASES = [  # scheme, options, rows, activations, one global scale per expert
     ("int4", {}, 640, torch.bfloat16, False),
     ("int4", {"group_size": 32, "asymmetric": True}, 640, torch.bfloat16, False),
@@ -68,40 +57,19 @@ for scheme, options, rows, dtype, per_expert in CASES:
     bias = torch.randn(8, 96).to(dtype)
     g.grouped_experts_linear(torch.randn(rows, 256).to(dtype), w, expert_rows, 8, bias)
     args, launch = recorded.pop()
-    signature, constants = {}, {}
-    for i, param in enumerate(kernel.params):
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[(i,)] = launch[param.name]
-        elif isinstance(args[i], torch.Tensor):
-            signature[param.name] = "*" + TYPES[args[i].dtype]
-        else:
-            signature[param.name] = "i32" if -(2**31) <= args[i] < 2**31 else "i64"
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
-    )
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-                           capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    fields = dict(item.split(":") for item in usage.split("REG:")[-1].replace("REG", "").split()
-                  if ":" in item)
+    usage = compile_sm90(kernel, args, launch, tools)
     results.append({"case": f"{scheme} {options} {rows} rows {dtype}", "scheme": scheme,
-                    "use_asm": launch["USE_ASM"], "block_m": launch["BLOCK_M"],
-                    "stack": int(fields["STACK"]), "wgmma": "wgmma" in compiled.asm["ptx"],
-                    "mma": "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"]})
+                    "use_asm": launch["USE_ASM"], "block_m": launch["BLOCK_M"], **usage})
 print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(_nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
+@pytest.mark.skipif(nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
 def test_grouped_launches_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU code path
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent)])
     done = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(_nvidia_tools())],
+        [sys.executable, "-c", COMPILE, str(nvidia_tools())],
         capture_output=True,
         text=True,
         env=env,

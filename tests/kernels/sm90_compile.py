@@ -1,0 +1,89 @@
+"""Compile recorded Triton launches for sm_90 on the CPU and read their resource usage.
+
+``compile_sm90(kernel, args, options, tools)`` compiles ``kernel`` with the signature of the
+recorded ``args`` (tensors by dtype, integers by range) and the recorded constexprs and launch
+options, and returns the bytes spilled to the stack and which tensor-core instructions its PTX
+holds. ``tools`` is Triton's NVIDIA backend ``bin`` folder (ptxas, cuobjdump).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
+
+
+def nvidia_tools() -> Path | None:
+    """Triton's NVIDIA backend tools, or None where they are missing."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
+    return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
+
+
+def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[str, Any]:
+    """Stack bytes and tensor-core use of ``kernel`` compiled for sm_90 with these arguments."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constants = {}, {}
+    for i, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constants[(i,)] = options[param.name]
+        elif isinstance(args[i], torch.Tensor):
+            signature[param.name] = "*" + TYPES[args[i].dtype]
+        elif args[i] is None:
+            signature[param.name] = "constexpr"
+            constants[(i,)] = None
+        else:
+            signature[param.name] = "i32" if -(2**31) <= args[i] < 2**31 else "i64"
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        # Triton's defaults where the launch leaves them out
+        options={
+            "num_warps": options.get("num_warps", 4),
+            "num_stages": options.get("num_stages", 3),
+        },
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    fields = dict(
+        item.split(":")
+        for item in usage.split("REG:")[-1].replace("REG", "").split()
+        if ":" in item
+    )
+    ptx = compiled.asm["ptx"]
+    return {
+        "stack": int(fields["STACK"]),
+        "wgmma": "wgmma" in ptx,
+        "mma": "mma.sync" in ptx or "wgmma" in ptx,
+    }

@@ -1,0 +1,92 @@
+"""The dense quantized-linear launches compiled for sm_90 on the CPU (no GPU needed): the
+GPU-only code the interpreter never runs (inline assembly, Hopper's tensor-core dots) compiles
+for the launches the H200 tables choose, and those launches spill no registers (two known
+exceptions, which must not grow). The launches
+come from the real launch plans (``LinearPlan`` on the kernel route), recorded instead of run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sm90_compile import nvidia_tools
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RECORD_AND_COMPILE = """
+import json, sys
+import torch
+import qlens.kernels.configs as configs
+import qlens.kernels.dispatch as dispatch
+import qlens.kernels.plan as plan
+from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
+from qlens.quant.quantize import quantize_weight
+from sm90_compile import compile_sm90
+
+# The H200's launch tables, with CPU tensors standing in for the GPU's.
+configs.gpu_name = lambda device: "NVIDIA H200"
+configs._sm_count = lambda device: 132
+dispatch.require_kernel_device = lambda device: None
+recorded = []
+FastLaunch.launch = lambda self, grid, *args, **options: recorded.append(
+    (self.kernel, args, options))
+PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(
+    (self.launcher.kernel, self.arguments(*tensors), self._options))
+
+CASES = [  # scheme, options, rows
+    ("int4", {"group_size": 128}, (1, 16, 48)),
+    ("mxfp4", {}, (1, 48)),
+    ("nvfp4", {}, (1, 16)),
+    ("fp8-block", {}, (1, 8)),
+    ("int8", {}, (1,)),
+]
+results = []
+for scheme, options, row_counts in CASES:
+    payload = quantize_weight(torch.randn(4096, 4096), scheme, **options)
+    kernels = plan.LinearPlan(payload, torch.device("cpu"), route="kernel")
+    for rows in row_counts:
+        kernels(torch.randn(rows, 4096, dtype=torch.bfloat16))
+        for kernel, args, launch in recorded:
+            usage = compile_sm90(kernel, args, launch, sys.argv[1])
+            results.append({"case": f"{scheme} {rows} rows", "kernel": kernel.__name__,
+                            "use_dot": launch.get("USE_DOT"), "use_asm": launch.get("USE_ASM"),
+                            **usage})
+        recorded.clear()
+print(json.dumps(results))
+"""
+
+
+# The tensor-core weight-only kernel spills at two launches the H200 tables chose by their
+# measured times (spills included): bytes of stack a thread, which must not grow.
+KNOWN_SPILLS = {
+    ("mxfp4 48 rows", "_weight_only_kernel"): 344,
+    ("fp8-block 8 rows", "_weight_only_kernel"): 784,
+}
+
+
+@pytest.mark.skipif(nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
+def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU code path
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent)])
+    done = subprocess.run(
+        [sys.executable, "-c", RECORD_AND_COMPILE, str(nvidia_tools())],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) >= 9
+    for result in results:
+        spill_limit = KNOWN_SPILLS.get((result["case"], result["kernel"]), 0)
+        assert result["stack"] <= spill_limit, result  # registers spilled to local memory
+        if result["use_asm"] is not None:
+            assert result["use_asm"], result  # the GPU decode, not the interpreter's
+        if result["use_dot"]:
+            assert result["mma"], result  # tensor-core dots
