@@ -1,6 +1,8 @@
 """Compile recorded Triton launches for sm_90 on the CPU and read their resource usage.
 
-``compile_sm90(kernel, args, options, tools)`` compiles ``kernel`` with the signature of the
+``run_compile_script(script)`` runs ``script`` in a fresh interpreter without
+``TRITON_INTERPRET`` (the GPU code path), with Triton's tools folder as its argument, and returns
+the JSON list it prints last. ``compile_sm90(kernel, args, options, tools)`` compiles ``kernel`` with the signature of the
 recorded ``args`` (tensors by dtype, integers by range) and the recorded constexprs and launch
 options, and returns the bytes spilled to the stack and which tensor-core instructions its PTX
 holds. ``tools`` is Triton's NVIDIA backend ``bin`` folder (ptxas, cuobjdump).
@@ -9,8 +11,10 @@ holds. ``tools`` is Triton's NVIDIA backend ``bin`` folder (ptxas, cuobjdump).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,23 @@ def nvidia_tools() -> Path | None:
         return None
     tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
     return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
+
+
+def run_compile_script(script: str) -> list[dict[str, Any]]:
+    """The JSON results ``script`` prints, run on the GPU code path with the tools' folder."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).parent
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here)])
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(nvidia_tools())],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=here.parents[1],
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[str, Any]:

@@ -6,17 +6,8 @@ come from the real host code, launches recorded instead of run (tests/kernels/sm
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from sm90_compile import nvidia_tools
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from sm90_compile import nvidia_tools, run_compile_script
 
 COMPILE = """
 import json, sys
@@ -66,18 +57,7 @@ print(json.dumps(results))
 
 @pytest.mark.skipif(nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
 def test_grouped_launches_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU code path
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent)])
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(nvidia_tools())],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_compile_script(COMPILE)
     assert len(results) == 11
     for result in results:
         assert result["use_asm"], result  # the GPU decode, not the interpreter's

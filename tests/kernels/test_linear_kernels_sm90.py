@@ -6,16 +6,8 @@ come from the real launch plans (``LinearPlan`` on the kernel route), recorded i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from sm90_compile import nvidia_tools
-
-ROOT = Path(__file__).resolve().parents[2]
+from sm90_compile import nvidia_tools, run_compile_script
 
 RECORD_AND_COMPILE = """
 import json, sys
@@ -70,18 +62,7 @@ KNOWN_SPILLS = {
 
 @pytest.mark.skipif(nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
 def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU code path
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent)])
-    done = subprocess.run(
-        [sys.executable, "-c", RECORD_AND_COMPILE, str(nvidia_tools())],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_compile_script(RECORD_AND_COMPILE)
     assert len(results) >= 9
     for result in results:
         spill_limit = KNOWN_SPILLS.get((result["case"], result["kernel"]), 0)
