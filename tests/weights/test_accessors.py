@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from arch_models import ARCHS, perturbed_model
+from arch_models import ARCHS, MOE_ARCHS, perturbed_model
 
 import qlens
 from qlens.bridge import Bridge
@@ -15,7 +15,6 @@ from qlens.weights import accessors as A
 # Families whose hook_q/hook_k are the plain projections: before rotary and q/k norms, as in
 # TransformerLens (OPT's attention function receives pre-scaled queries).
 PLAIN_QK = [a for a in ARCHS if a != "opt"]
-MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
 TOL = dict(atol=2e-5, rtol=1e-5)
 _CACHES: dict[str, tuple[Bridge, object, torch.Tensor, torch.Tensor]] = {}
 
@@ -72,7 +71,7 @@ def test_stacked_accessors_stack_the_layers(arch):
     assert torch.equal(repeated[::groups], A.W_K(bridge, 0))
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])
 def test_mlp_weights_reproduce_the_mlp(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
@@ -111,7 +110,7 @@ def _expert_output(bridge: Bridge, layer: int, expert: int, x: torch.Tensor) -> 
     return hidden @ A.W_out(bridge, layer, expert=expert) + A.b_out(bridge, layer, expert=expert)
 
 
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_expert_and_router_weights_reproduce_the_moe_block(arch):
     bridge, cache, _, _ = run(arch)
     for layer in range(bridge.cfg.n_layers):
@@ -157,7 +156,7 @@ def test_layer_out_of_range_is_refused():
         A.W_Q(bridge, 5)
 
 
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_quantized_experts_are_read_through_the_guard(arch):
     bridge = Bridge(perturbed_model(arch))
     quantized = quantize(bridge, "int8", group_size=32)
