@@ -320,13 +320,11 @@ def _shared_expert_part(
 
 
 def _expert_part(
-    bridge: Any, layer: int, expert: int | str | None, part: str, dequantize: bool
+    bridge: Any, layer: int, expert: int | Literal["shared"] | None, part: str, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     """TransformerLens-oriented expert weights ``[(expert) d_model d_mlp]`` and bias."""
     if expert == "shared":
         return _shared_expert_part(bridge, layer, part, dequantize)
-    if isinstance(expert, str):
-        raise ValueError(f"expert must be an index, 'shared' or None, got {expert!r}")
     if expert is None and _has_shared_expert(bridge, layer):
         raise ValueError(
             f"layer {layer} is a mixture-of-experts layer with a shared expert "
@@ -379,7 +377,7 @@ def W_gate(
 
 
 def _mlp_in(
-    bridge: Any, layer: int, part: str, expert: int | str | None, dequantize: bool
+    bridge: Any, layer: int, part: str, expert: int | Literal["shared"] | None, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     if _is_moe_layer(bridge, layer):
         return _expert_part(bridge, layer, expert, part, dequantize)
@@ -449,7 +447,7 @@ def b_out(
 
 
 def _mlp_out(
-    bridge: Any, layer: int, expert: int | str | None, dequantize: bool
+    bridge: Any, layer: int, expert: int | Literal["shared"] | None, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     if _is_moe_layer(bridge, layer):
         return _expert_part(bridge, layer, expert, "out", dequantize)
