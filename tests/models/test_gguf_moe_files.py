@@ -60,7 +60,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Pat
 
 
 def _qlens_model(path: Path) -> torch.nn.Module:
-    """What ``qlens.load`` wraps (qlens has no bridge adapter for Qwen2-MoE)."""
+    """What ``qlens.load`` wraps."""
     return load_gguf_packed(path, dtype=torch.float32, device=None)
 
 
@@ -124,10 +124,9 @@ def test_qlens_predicts_like_transformers_gguf_loader(files, case):
         assert torch.equal(tensor, floats[name]), name
     with torch.no_grad():
         theirs = reference(TOKENS).logits
-        if arch == "qwen3moe":  # through the bridge; qlens has no Qwen2-MoE adapter
-            ours = qlens.load(path, tokenizer=make_tiny_tokenizer())(TOKENS)
-        else:
-            ours = model(TOKENS).logits
+        bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+        ours = bridge(TOKENS)
+        assert torch.equal(ours, model(TOKENS).logits)  # the bridge adds nothing to the forward
     # Identical float32 weights and float routers, so both pick the same experts; the paths
     # differ only in matmul summation order (qlens dequantizes each hit expert then matmuls on
     # the same token rows), a few ulps per dot product of <= 1408 terms, through two layers.

@@ -19,6 +19,8 @@ CASES = [
     ("mixtral", "mxfp4"),
     ("qwen3_moe", "int8"),
     ("gpt_oss", "nvfp4"),
+    ("qwen2_moe", "int4"),
+    ("qwen2_moe", "nvfp4"),
 ]
 
 

@@ -186,6 +186,18 @@ def test_quantized_experts_are_read_through_the_guard(arch):
         torch.testing.assert_close(
             read(quantized, 0, dequantize=True, **one), read(bridge, 0, **one), atol=2e-3, rtol=0
         )
+    if arch == "qwen2_moe":  # the shared expert and its gate are quantized linear layers
+        shared = quantized.model.model.layers[0].mlp.shared_expert
+        with pytest.raises(NotImplementedError, match="cannot read W_out of the shared expert"):
+            A.W_out(quantized, 0, expert="shared")
+        with pytest.raises(NotImplementedError, match="cannot read the shared expert gate"):
+            A.W_shared_expert_gate(quantized, 0)
+        got = A.W_out(quantized, 0, expert="shared", dequantize=True)
+        assert torch.equal(got, qlens.dequantize(shared.down_proj).T)
+        torch.testing.assert_close(
+            A.W_shared_expert_gate(quantized, 0, dequantize=True),
+            A.W_shared_expert_gate(bridge, 0), atol=2e-3, rtol=0,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "phi3", "gpt_neox"])
