@@ -64,6 +64,22 @@ def test_fold_layer_norm_leaves_identity_norms_and_scaled_readers(arch):
     assert torch.equal(ln1.weight, torch.full_like(ln1.weight, 1 - bridge.cfg.norm_weight_offset))
 
 
+def test_fold_layer_norm_scales_the_shared_expert_and_its_gate():
+    bridge = Bridge(perturbed_model("qwen2_moe"))
+    ln2 = bridge.model.model.layers[0].post_attention_layernorm.weight.detach()
+    readers = [(A.W_gate, "shared"), (A.W_in, "shared"), (A.W_in, 1)]  # and a routed expert
+    before = [read(bridge, 0, expert=expert) for read, expert in readers]
+    gate = A.W_shared_expert_gate(bridge, 0)
+    folded = processing.fold_layer_norm(bridge).bridge
+    for (read, expert), weight in zip(readers, before):
+        torch.testing.assert_close(read(folded, 0, expert=expert), weight * ln2[:, None], **TOL)
+    torch.testing.assert_close(A.W_shared_expert_gate(folded, 0), gate * ln2, **TOL)
+    shared_out = A.W_out(bridge, 0, expert="shared")
+    assert torch.equal(A.W_out(folded, 0, expert="shared"), shared_out)  # it writes: unchanged
+    with pytest.raises(ValueError, match="cannot center writing weights of a RMSNorm model"):
+        processing.process_weights(bridge, center_writing_weights=True)
+
+
 def test_centering_and_value_bias_folding():
     bridge = Bridge(perturbed_model("gpt2"))
     centered = processing.center_writing_weights(bridge).bridge
