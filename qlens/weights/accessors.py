@@ -316,7 +316,9 @@ def _shared_expert_part(
     module = _require(bridge, layer, component)
     op = f"read W_{part} of the shared expert of layer {layer}"
     weight = read_weight(module, operation=op, owner=bridge, dequantize=dequantize)
-    return weight.T, read_optional(module, "bias", operation=op, owner=bridge, dequantize=dequantize)
+    return weight.T, read_optional(
+        module, "bias", operation=op, owner=bridge, dequantize=dequantize
+    )
 
 
 def _expert_part(

@@ -50,9 +50,11 @@ def test_the_layers_are_an_moe_block_with_a_shared_expert_and_a_dense_mlp() -> N
     names = Bridge(model).hook_names
     assert "blocks.0.mlp.hook_router_logits" in names and "blocks.0.mlp.hook_pre" not in names
     assert "blocks.1.mlp.hook_router_logits" not in names
-    assert {"blocks.1.mlp.hook_pre", "blocks.1.mlp.hook_pre_linear", "blocks.1.mlp.hook_post"} < set(
-        names
-    )
+    assert {
+        "blocks.1.mlp.hook_pre",
+        "blocks.1.mlp.hook_pre_linear",
+        "blocks.1.mlp.hook_post",
+    } < set(names)
 
 
 def test_logits_and_residual_stream_equal_hf_exactly() -> None:
@@ -134,12 +136,11 @@ def test_router_logit_edits_reroute_as_hf_would() -> None:
         weights, indices = torch.topk(probs, 2, dim=-1)
         return logits, weights.to(logits.dtype), indices
 
-    with torch.no_grad(), bridge.hooks(
-        fwd_hooks=[("blocks.0.mlp.hook_router_logits", lambda x, hook: x + boost)]
+    with (
+        torch.no_grad(),
+        bridge.hooks(fwd_hooks=[("blocks.0.mlp.hook_router_logits", lambda x, hook: x + boost)]),
     ):
-        ours, cache = bridge.run_with_cache(
-            TOKENS, names_filter="blocks.0.mlp.hook_router_weights"
-        )
+        ours, cache = bridge.run_with_cache(TOKENS, names_filter="blocks.0.mlp.hook_router_weights")
     assert torch.all(cache["router_weights", 0][..., 3] > 0)  # expert 3 now picked everywhere
     theirs = _hf_patched_logits("model.layers.0.mlp.gate", hf_router)
     assert torch.equal(ours, theirs)

@@ -71,7 +71,7 @@ def test_fold_layer_norm_scales_the_shared_expert_and_its_gate():
     before = [read(bridge, 0, expert=expert) for read, expert in readers]
     gate = A.W_shared_expert_gate(bridge, 0)
     folded = processing.fold_layer_norm(bridge).bridge
-    for (read, expert), weight in zip(readers, before):
+    for (read, expert), weight in zip(readers, before, strict=True):
         torch.testing.assert_close(read(folded, 0, expert=expert), weight * ln2[:, None], **TOL)
     torch.testing.assert_close(A.W_shared_expert_gate(folded, 0), gate * ln2, **TOL)
     shared_out = A.W_out(bridge, 0, expert="shared")
