@@ -160,7 +160,8 @@ def test_scans_three_dimensional_experts():
 
 
 @pytest.mark.parametrize(
-    ("arch", "scheme"), [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4")]
+    ("arch", "scheme"),
+    [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4"), ("qwen2_moe", "int8")],
 )
 def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, scheme):
     from qlens.modules import QuantExperts
@@ -181,12 +182,18 @@ def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, schem
     d_mlp = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     expected_bytes = 3 * n_experts * config.hidden_size * d_mlp * 4  # gate, up, down in fp32
     for layer in range(config.num_hidden_layers):
+        if layer in getattr(config, "mlp_only_layers", []):
+            continue  # a dense layer (Qwen2-MoE layer 1)
         name = f"model.layers.{layer}.mlp.experts"
         assert result.summary.materialized[name] == expected_bytes, name
         rebuilt = result.bridge.model.get_submodule(name)
         assert type(rebuilt) is type(float_model.get_submodule(name))  # the HF float class
         assert isinstance(quantized.model.get_submodule(name), QuantExperts)  # original kept
     assert f"{name}: {expected_bytes / 2**20:.3f} MiB" in str(result.summary)
+    if arch == "qwen2_moe":  # the shared expert and its gate are float nn.Linear again
+        for part in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate"):
+            rebuilt = result.bridge.model.get_submodule(f"model.layers.0.mlp.{part}")
+            assert type(rebuilt) is torch.nn.Linear, part
     steps = ["fold_layer_norm", "center_unembed"]
     assert result.summary.steps == steps + ([] if arch == "gpt_oss" else ["fold_value_biases"])
 
