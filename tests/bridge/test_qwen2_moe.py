@@ -145,3 +145,25 @@ def test_router_logit_edits_reroute_as_hf_would() -> None:
     theirs = _hf_patched_logits("model.layers.0.mlp.gate", hf_router)
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, bridge(TOKENS))
+
+
+def test_decoder_sparse_step_makes_the_other_layers_dense() -> None:
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.Qwen2MoeConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=2, norm_topk_prob=True,
+    )  # fmt: skip
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    bridge = Bridge(model)
+    assert "blocks.0.mlp.hook_pre" in bridge.hook_names
+    assert "blocks.1.mlp.hook_router_weights" in bridge.hook_names
+    tokens = TOKENS % 100
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(tokens, names_filter=SDPA_NAMES)
+        assert torch.equal(logits, model(tokens).logits)
+    weights = cache["router_weights", 1]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens.shape))  # norm_topk_prob
