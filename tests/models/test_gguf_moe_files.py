@@ -106,7 +106,8 @@ def test_qlens_predicts_like_transformers_gguf_loader(files, case):
     arch, _ = case
     path = files[case]
     reference = transformers_gguf_model(path)
-    model = _qlens_model(path)
+    bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    model = bridge.model
     packed = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -124,9 +125,7 @@ def test_qlens_predicts_like_transformers_gguf_loader(files, case):
         assert torch.equal(tensor, floats[name]), name
     with torch.no_grad():
         theirs = reference(TOKENS).logits
-        bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
         ours = bridge(TOKENS)
-        assert torch.equal(ours, model(TOKENS).logits)  # the bridge adds nothing to the forward
     # Identical float32 weights and float routers, so both pick the same experts; the paths
     # differ only in matmul summation order (qlens dequantizes each hit expert then matmuls on
     # the same token rows), a few ulps per dot product of <= 1408 terms, through two layers.
