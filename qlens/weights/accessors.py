@@ -10,7 +10,7 @@ quantized weights in float instead of raising.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -299,10 +299,41 @@ def experts(bridge: Any, layer: int, *, dequantize: bool = False) -> ExpertWeigh
     )
 
 
+def _has_shared_expert(bridge: Any, layer: int) -> bool:
+    return layer_module(bridge, layer, "shared_mlp_down") is not None
+
+
+def _shared_expert_part(
+    bridge: Any, layer: int, part: str, dequantize: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The shared expert's weights ``[d_model d_shared]`` (``[d_shared d_model]`` for "out")."""
+    if not _has_shared_expert(bridge, layer):
+        raise ValueError(
+            f"layer {layer} of this {bridge.cfg.family} model has no shared expert; "
+            "expert='shared' applies to the MoE layers of families with one (Qwen2-MoE)"
+        )
+    component = {"gate": "shared_mlp_gate", "in": "shared_mlp_up", "out": "shared_mlp_down"}[part]
+    module = _require(bridge, layer, component)
+    op = f"read W_{part} of the shared expert of layer {layer}"
+    weight = read_weight(module, operation=op, owner=bridge, dequantize=dequantize)
+    return weight.T, read_optional(
+        module, "bias", operation=op, owner=bridge, dequantize=dequantize
+    )
+
+
 def _expert_part(
-    bridge: Any, layer: int, expert: int | None, part: str, dequantize: bool
+    bridge: Any, layer: int, expert: int | Literal["shared"] | None, part: str, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     """TransformerLens-oriented expert weights ``[(expert) d_model d_mlp]`` and bias."""
+    if expert == "shared":
+        return _shared_expert_part(bridge, layer, part, dequantize)
+    if expert is None and _has_shared_expert(bridge, layer):
+        raise ValueError(
+            f"layer {layer} is a mixture-of-experts layer with a shared expert "
+            "(mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate(x))) that a stack of "
+            "the routed experts would leave out: pass expert=<index> for a routed expert, "
+            "expert='shared' for the shared expert, and read its gate with W_shared_expert_gate"
+        )
     weights = experts(bridge, layer, dequantize=dequantize)
     if part == "out":
         w, b = weights.down.transpose(-1, -2), weights.down_bias
@@ -321,24 +352,34 @@ def _expert_part(
 
 
 def W_in(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_model d_mlp"]:
     """MLP input weights (the up projection of a gated MLP) ``[d_model d_mlp]``.
 
-    MoE layers give ``[expert d_model d_mlp]``, or one expert's with ``expert=``.
+    MoE layers give ``[expert d_model d_mlp]``, or one expert's with ``expert=``; for MoE layers
+    with a shared expert (Qwen2-MoE) ``expert=`` is required, ``expert="shared"`` gives the
+    shared expert's ``[d_model d_shared]``.
     """
     return _stacked(bridge, layer, lambda i: _mlp_in(bridge, i, "in", expert, dequantize)[0])
 
 
 def W_gate(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_model d_mlp"]:
     """Gate weights of a gated MLP ``[d_model d_mlp]`` (MoE layers as in :func:`W_in`)."""
     return _stacked(bridge, layer, lambda i: _mlp_in(bridge, i, "gate", expert, dequantize)[0])
 
 
 def _mlp_in(
-    bridge: Any, layer: int, part: str, expert: int | None, dequantize: bool
+    bridge: Any, layer: int, part: str, expert: int | Literal["shared"] | None, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     if _is_moe_layer(bridge, layer):
         return _expert_part(bridge, layer, expert, part, dequantize)
@@ -349,7 +390,11 @@ def _mlp_in(
 
 
 def b_in(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_mlp"]:
     """MLP input (up) bias (zeros when absent)."""
 
@@ -361,7 +406,11 @@ def b_in(
 
 
 def b_gate(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_mlp"]:
     """Gate bias of a gated MLP (zeros when absent)."""
 
@@ -373,14 +422,22 @@ def b_gate(
 
 
 def W_out(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_mlp d_model"]:
     """MLP output weights ``[d_mlp d_model]`` (MoE layers as in :func:`W_in`)."""
     return _stacked(bridge, layer, lambda i: _mlp_out(bridge, i, expert, dequantize)[0])
 
 
 def b_out(
-    bridge: Any, layer: int | None = None, *, expert: int | None = None, dequantize: bool = False
+    bridge: Any,
+    layer: int | None = None,
+    *,
+    expert: int | Literal["shared"] | None = None,
+    dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_model"]:
     """MLP output bias (zeros when absent)."""
 
@@ -392,7 +449,7 @@ def b_out(
 
 
 def _mlp_out(
-    bridge: Any, layer: int, expert: int | None, dequantize: bool
+    bridge: Any, layer: int, expert: int | Literal["shared"] | None, dequantize: bool
 ) -> tuple[Tensor, Tensor | None]:
     if _is_moe_layer(bridge, layer):
         return _expert_part(bridge, layer, expert, "out", dequantize)
@@ -403,6 +460,19 @@ def _mlp_out(
     weight = read_weight(module, operation=op, owner=bridge, dequantize=dequantize)
     bias = read_optional(module, "bias", operation=op, owner=bridge, dequantize=dequantize)
     return weight.T, bias
+
+
+def W_shared_expert_gate(
+    bridge: Any, layer: int | None = None, *, dequantize: bool = False
+) -> Float[Tensor, "*layer d_model"]:
+    """The shared expert's gate ``[d_model]``: its output is scaled by ``sigmoid(x @ gate)``."""
+
+    def one(i: int) -> Tensor:
+        gate = _require(bridge, i, "shared_expert_gate")
+        op = f"read the shared expert gate of layer {i}"
+        return read_weight(gate, operation=op, owner=bridge, dequantize=dequantize)[0]
+
+    return _stacked(bridge, layer, one)
 
 
 def W_router(

@@ -26,7 +26,10 @@ from qlens.weights.storage import replace_tensor, write_tensor, write_weight
 logger = logging.getLogger(__name__)
 
 _LN1_READERS = ("q", "k", "v", "qkv")
-_LN2_READERS = ("mlp_in", "mlp_gate", "mlp_up", "mlp_gate_up", "router")
+_LN2_READERS = (
+    "mlp_in", "mlp_gate", "mlp_up", "mlp_gate_up", "router",
+    "shared_mlp_gate", "shared_mlp_up", "shared_expert_gate",
+)  # fmt: skip
 
 
 def process_weights(
@@ -76,9 +79,9 @@ def process_weights(
 def fold_layer_norm(bridge: Any, *, dequantize: bool = False, inplace: bool = False) -> Processed:
     """Fold every pre-norm's scale (and LayerNorm bias) into the layers that read its output.
 
-    ln1 -> q/k/v (or fused qkv), ln2 -> MLP input/gate/up (fused gate_up, MoE router and all
-    experts), final norm -> unembedding (untied from the embedding first). The norms keep
-    normalizing with an identity affine (Gemma's ``1 + w`` with ``w = 0``). Sandwich post-norms
+    ln1 -> q/k/v (or fused qkv), ln2 -> MLP input/gate/up (fused gate_up, MoE router, all
+    experts, a shared expert and its gate), final norm -> unembedding (untied from the embedding
+    first). The norms keep normalizing with an identity affine (Gemma's ``1 + w`` with ``w = 0``). Sandwich post-norms
     and q/k norms act after a projection and are left as they are.
     """
     result = prepare(bridge, "fold layer norms", dequantize=dequantize, inplace=inplace)

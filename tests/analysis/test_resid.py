@@ -128,7 +128,7 @@ def test_logit_attrs_warn_on_softcapped_models():
         analysis.logit_attrs(gemma3, stack3, tokens3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gpt_neox", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gpt_neox", "qwen3_moe", "qwen2_moe"])
 def test_logit_attrs_reproduce_logit_differences(arch):
     bridge, cache, tokens, logits = run(arch)
     decomposition = analysis.get_full_resid_decomposition(bridge, cache)

@@ -63,6 +63,15 @@ def _configs() -> dict[str, object]:
             moe_intermediate_size=128,
             **_SPECIAL_IDS,
         ),
+        "qwen2_moe": T.Qwen2MoeConfig(  # layer 0 routed experts and a shared expert, 1 dense
+            **_COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+            **_SPECIAL_IDS,
+        ),
         "gpt_oss": T.GptOssConfig(
             **_COMMON,
             head_dim=16,
@@ -75,6 +84,7 @@ def _configs() -> dict[str, object]:
 
 
 ARCHS = list(_configs())
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 

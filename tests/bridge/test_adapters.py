@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from bridge_models import tiny_model
+from bridge_models import MOE_ARCHS, tiny_model
 
 from qlens.bridge import ADAPTERS, Bridge
 
@@ -20,7 +20,7 @@ def test_config_facts(arch: str) -> None:
     assert cfg.n_kv_heads == (2 if gqa else 4)
     assert cfg.d_mlp == (256 if arch == "gpt2" else 128)  # GPT-2: n_inner=None means 4*d_model
     assert cfg.d_vocab == model.get_output_embeddings().weight.shape[0] == 1000
-    moe = arch in ("mixtral", "qwen3_moe", "gpt_oss")
+    moe = arch in MOE_ARCHS
     assert (cfg.n_experts, cfg.experts_per_token) == ((4, 2) if moe else (0, 0))
     assert cfg.parallel_attn_mlp == (arch == "gpt_neox")
     assert cfg.positional_embedding_type == ("standard" if arch in ("gpt2", "opt") else "rotary")

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from bridge_models import ARCHS, tiny_model
+from bridge_models import ARCHS, MOE_ARCHS, tiny_model
 from transformers.pytorch_utils import Conv1D
 
 from qlens.bridge import Bridge
@@ -187,7 +187,7 @@ def test_norm_scale_and_normalized(arch: str, runs: dict) -> None:
         assert (acts["blocks.0.ln1.hook_out"] - ln1(x)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in ("mixtral", "qwen3_moe", "gpt_oss")])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])
 def test_mlp_hooks_compose_to_mlp_out(arch: str, runs: dict) -> None:
     """post = act(pre) [* pre_linear when gated]; down_proj(post) = mlp_out (dense layers)."""
     from transformers.activations import ACT2FN

@@ -33,7 +33,7 @@ from qlens.gguf_loading import load_gguf_packed  # noqa: E402
 from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
 from qlens.modules.serialization import load_quantized, save_quantized  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
-from qlens.weights import W_gate, W_in, W_out  # noqa: E402
+from qlens.weights import W_gate, W_in, W_out, W_shared_expert_gate  # noqa: E402
 
 # Qwen3-MoE: one type everywhere, or llama.cpp's Q4_K_M-like mix (gguf_moe_files.MIXED).
 # Qwen2-MoE's experts are 1408 wide (its config default), not whole 256-weight K-quant blocks.
@@ -60,7 +60,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Pat
 
 
 def _qlens_model(path: Path) -> torch.nn.Module:
-    """What ``qlens.load`` wraps (qlens has no bridge adapter for Qwen2-MoE)."""
+    """What ``qlens.load`` wraps."""
     return load_gguf_packed(path, dtype=torch.float32, device=None)
 
 
@@ -106,7 +106,8 @@ def test_qlens_predicts_like_transformers_gguf_loader(files, case):
     arch, _ = case
     path = files[case]
     reference = transformers_gguf_model(path)
-    model = _qlens_model(path)
+    bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    model = bridge.model
     packed = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -124,10 +125,7 @@ def test_qlens_predicts_like_transformers_gguf_loader(files, case):
         assert torch.equal(tensor, floats[name]), name
     with torch.no_grad():
         theirs = reference(TOKENS).logits
-        if arch == "qwen3moe":  # through the bridge; qlens has no Qwen2-MoE adapter
-            ours = qlens.load(path, tokenizer=make_tiny_tokenizer())(TOKENS)
-        else:
-            ours = model(TOKENS).logits
+        ours = bridge(TOKENS)
     # Identical float32 weights and float routers, so both pick the same experts; the paths
     # differ only in matmul summation order (qlens dequantizes each hit expert then matmuls on
     # the same token rows), a few ulps per dot product of <= 1408 terms, through two layers.
@@ -175,6 +173,26 @@ def test_expert_weight_reads_are_guarded(bridge, files):
     assert torch.equal(w_out, reference.down_proj[3].T)  # [d_mlp, d_model]
     with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
         W_in(bridge, 0)  # refused again once the context has exited
+
+
+def test_qwen2moe_shared_expert_reads_are_guarded_and_decode_like_transformers(files):
+    path = files["qwen2moe", "Q8_0"]
+    bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    reference = transformers_gguf_model(path).model.layers[0].mlp
+    for read in (W_in, W_gate, W_out):
+        with pytest.raises(NotImplementedError, match="of the shared expert of layer 0") as error:
+            read(bridge, 0, expert="shared")
+        assert "gguf_q8_0" in str(error.value)
+        with pytest.raises(ValueError, match="layer 0 is a mixture-of-experts layer with a shared"):
+            read(bridge, 0)
+    with bridge.dequantized():
+        shared = [read(bridge, 0, expert="shared") for read in (W_gate, W_in, W_out)]
+        gate = W_shared_expert_gate(bridge, 0)
+    theirs = reference.shared_expert
+    assert torch.equal(shared[0], theirs.gate_proj.weight.T)
+    assert torch.equal(shared[1], theirs.up_proj.weight.T)
+    assert torch.equal(shared[2], theirs.down_proj.weight.T)
+    assert torch.equal(gate, reference.shared_expert_gate.weight[0])
 
 
 def test_dequantize_on_load_gives_transformers_float_experts(files):

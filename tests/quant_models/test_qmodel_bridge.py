@@ -19,6 +19,8 @@ CASES = [
     ("mixtral", "mxfp4"),
     ("qwen3_moe", "int8"),
     ("gpt_oss", "nvfp4"),
+    ("qwen2_moe", "int4"),
+    ("qwen2_moe", "nvfp4"),
 ]
 
 
@@ -57,3 +59,34 @@ def test_inplace_quantization_of_a_bridge_returns_a_working_bridge() -> None:
     assert set(cache.keys()) == {
         f"blocks.{i}.mlp.{h}" for i in (0, 1) for h in ("hook_pre", "hook_pre_linear")
     }
+
+
+def test_a_quantized_qwen2_moe_model_wraps_with_its_shared_expert_quantized() -> None:
+    import qlens
+    from qlens.modules import QuantExperts
+
+    model = make_model("qwen2_moe")
+    quantized = qlens.quantize(model, "int4")
+    mlp = quantized.model.layers[0].mlp
+    assert isinstance(mlp.experts, QuantExperts)
+    shared = mlp.shared_expert
+    for linear in (shared.gate_proj, shared.up_proj, shared.down_proj, mlp.shared_expert_gate):
+        assert isinstance(linear, QuantLinear)
+    reference = dequantized_reference(model, quantized)
+    ids = input_ids()
+    reference_mlp_out: list[torch.Tensor] = []
+    handle = reference.model.layers[0].mlp.register_forward_hook(
+        lambda _m, _i, out: reference_mlp_out.append(out)
+    )
+    try:
+        with torch.no_grad():
+            expected = reference(ids).logits
+            logits, cache = Bridge(quantized).run_with_cache(
+                ids, names_filter="blocks.0.hook_mlp_out"
+            )
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cache["blocks.0.hook_mlp_out"], reference_mlp_out[0], atol=2e-5, rtol=1e-5
+    )

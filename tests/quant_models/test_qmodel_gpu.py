@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "gpt_oss", "qwen2_moe"])
 def test_gpu_forward_uses_the_kernels_and_matches_the_cpu_reference(
     family: str, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

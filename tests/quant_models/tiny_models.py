@@ -48,6 +48,17 @@ CONFIGS = {
         num_experts_per_tok=2,
         decoder_sparse_step=1,
     ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(  # an MoE layer, then a dense one
+        **_COMMON,
+        **_ATTENTION,
+        intermediate_size=INTERMEDIATE,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
         **_COMMON,
         **_ATTENTION,

@@ -14,6 +14,7 @@ _models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_models)
 
 ARCHS: list[str] = list(_models.ARCHS)
+MOE_ARCHS: list[str] = list(_models.MOE_ARCHS)
 
 
 def tiny_model(arch: str) -> torch.nn.Module:

@@ -64,6 +64,22 @@ def test_fold_layer_norm_leaves_identity_norms_and_scaled_readers(arch):
     assert torch.equal(ln1.weight, torch.full_like(ln1.weight, 1 - bridge.cfg.norm_weight_offset))
 
 
+def test_fold_layer_norm_scales_the_shared_expert_and_its_gate():
+    bridge = Bridge(perturbed_model("qwen2_moe"))
+    ln2 = bridge.model.model.layers[0].post_attention_layernorm.weight.detach()
+    readers = [(A.W_gate, "shared"), (A.W_in, "shared"), (A.W_in, 1)]  # and a routed expert
+    before = [read(bridge, 0, expert=expert) for read, expert in readers]
+    gate = A.W_shared_expert_gate(bridge, 0)
+    folded = processing.fold_layer_norm(bridge).bridge
+    for (read, expert), weight in zip(readers, before, strict=True):
+        torch.testing.assert_close(read(folded, 0, expert=expert), weight * ln2[:, None], **TOL)
+    torch.testing.assert_close(A.W_shared_expert_gate(folded, 0), gate * ln2, **TOL)
+    shared_out = A.W_out(bridge, 0, expert="shared")
+    assert torch.equal(A.W_out(folded, 0, expert="shared"), shared_out)  # it writes: unchanged
+    with pytest.raises(ValueError, match="cannot center writing weights of a RMSNorm model"):
+        processing.process_weights(bridge, center_writing_weights=True)
+
+
 def test_centering_and_value_bias_folding():
     bridge = Bridge(perturbed_model("gpt2"))
     centered = processing.center_writing_weights(bridge).bridge
@@ -144,7 +160,8 @@ def test_scans_three_dimensional_experts():
 
 
 @pytest.mark.parametrize(
-    ("arch", "scheme"), [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4")]
+    ("arch", "scheme"),
+    [("mixtral", "int8"), ("qwen3_moe", "mxfp4"), ("gpt_oss", "mxfp4"), ("qwen2_moe", "int8")],
 )
 def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, scheme):
     from qlens.modules import QuantExperts
@@ -165,12 +182,18 @@ def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, schem
     d_mlp = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     expected_bytes = 3 * n_experts * config.hidden_size * d_mlp * 4  # gate, up, down in fp32
     for layer in range(config.num_hidden_layers):
+        if layer in getattr(config, "mlp_only_layers", []):
+            continue  # a dense layer (Qwen2-MoE layer 1)
         name = f"model.layers.{layer}.mlp.experts"
         assert result.summary.materialized[name] == expected_bytes, name
         rebuilt = result.bridge.model.get_submodule(name)
         assert type(rebuilt) is type(float_model.get_submodule(name))  # the HF float class
         assert isinstance(quantized.model.get_submodule(name), QuantExperts)  # original kept
     assert f"{name}: {expected_bytes / 2**20:.3f} MiB" in str(result.summary)
+    if arch == "qwen2_moe":  # the shared expert and its gate are float nn.Linear again
+        for part in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate"):
+            rebuilt = result.bridge.model.get_submodule(f"model.layers.0.mlp.{part}")
+            assert type(rebuilt) is torch.nn.Linear, part
     steps = ["fold_layer_norm", "center_unembed"]
     assert result.summary.steps == steps + ([] if arch == "gpt_oss" else ["fold_value_biases"])
 

@@ -13,7 +13,7 @@ from qlens.bridge.adapters.gemma import GEMMA, GEMMA2, GEMMA3_TEXT
 from qlens.bridge.adapters.gpt2 import GPT2
 from qlens.bridge.adapters.gpt_neox import GPT_NEOX
 from qlens.bridge.adapters.llama import LLAMA, MISTRAL, QWEN2, QWEN3
-from qlens.bridge.adapters.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
+from qlens.bridge.adapters.moe import GPT_OSS, MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from qlens.bridge.adapters.opt import OPT
 from qlens.bridge.adapters.phi3 import PHI3
 
@@ -30,6 +30,7 @@ ADAPTERS: dict[str, Adapter] = {
     "gpt_neox": GPT_NEOX,
     "opt": OPT,
     "mixtral": MIXTRAL,
+    "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": QWEN3_MOE,
     "gpt_oss": GPT_OSS,
 }

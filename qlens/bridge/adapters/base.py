@@ -48,6 +48,12 @@ class LayerPaths:
     mlp_down: str | None = None
     router: str | None = None  # MoE router returning (logits, top-k weights, top-k indices)
     experts: str | None = None  # MoE experts holding fused 3-D gate_up_proj / down_proj
+    # A gated MLP every token goes through beside the routed experts (Qwen2-MoE), its output
+    # scaled by sigmoid(shared_expert_gate(x)) and added to theirs.
+    shared_mlp_gate: str | None = None
+    shared_mlp_up: str | None = None
+    shared_mlp_down: str | None = None
+    shared_expert_gate: str | None = None  # Linear(d_model, 1)
 
 
 @dataclass(frozen=True)

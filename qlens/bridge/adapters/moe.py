@@ -1,6 +1,8 @@
-"""Mixture-of-experts families: Mixtral, Qwen3-MoE and GPT-OSS (fused 3-D experts in memory).
+"""Mixture-of-experts families: Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS (fused 3-D experts in
+memory).
 
-Dense layers inside an MoE model (Qwen3-MoE ``mlp_only_layers``) use the Llama MLP paths.
+Dense layers inside an MoE model (Qwen2/3-MoE ``mlp_only_layers``) use the Llama MLP paths.
+Qwen2-MoE adds a shared expert to each MoE block (see ``LayerPaths.shared_mlp_gate``).
 """
 
 from qlens.bridge.adapters.base import Adapter, LayerPaths
@@ -28,6 +30,21 @@ QWEN3_MOE = Adapter(
         ),
         "router_renormalize": "norm_topk_prob",
         "config_attrs": {"n_experts": "num_experts", "d_mlp": "moe_intermediate_size"},
+    }
+)
+QWEN2_MOE = Adapter(
+    **{
+        **QWEN3_MOE.__dict__,
+        "family": "qwen2_moe",
+        "layer": LayerPaths(
+            **{
+                **_MOE_LAYER,
+                "shared_mlp_gate": "mlp.shared_expert.gate_proj",
+                "shared_mlp_up": "mlp.shared_expert.up_proj",
+                "shared_mlp_down": "mlp.shared_expert.down_proj",
+                "shared_expert_gate": "mlp.shared_expert_gate",
+            }
+        ),
     }
 )
 GPT_OSS = Adapter(
