@@ -315,12 +315,20 @@ def require_no_graph_capture(payload: QuantPayload, device: torch.device, w8a8: 
     if not capturing_cuda_graph(device):
         return
     why = "W8A8" if w8a8 else one_launch_refusal(payload, device)
-    raise RuntimeError(
+    raise host_routing_under_capture(
         f"{payload.format.name} experts of shape {list(payload.shape)} run one launch per used "
-        f"expert ({why}), which reads the routing on the host, and a CUDA graph capture cannot: "
-        "compile without CUDA graphs (torch.compile(model, mode='default')), or quantize the "
-        f"experts with a scheme whose experts run in one launch ({', '.join(ONE_LAUNCH_SCHEMES)}"
-        "; contiguous, packed 4-bit rows in whole 32-bit words)"
+        f"expert ({why})"
+    )
+
+
+def host_routing_under_capture(what: str) -> RuntimeError:
+    """The error for experts that read the routing on the host during a CUDA graph capture;
+    ``what`` says which experts run one by one and why."""
+    return RuntimeError(
+        f"{what}, which reads the routing on the host, and a CUDA graph capture cannot: compile "
+        "without CUDA graphs (torch.compile(model, mode='default')), or quantize the experts "
+        f"with a scheme whose experts run in one launch ({', '.join(ONE_LAUNCH_SCHEMES)}; "
+        "contiguous, packed 4-bit rows in whole 32-bit words)"
     )
 
 

@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.experts import ONE_LAUNCH_SCHEMES, capturing_cuda_graph
+from qlens.kernels.experts import capturing_cuda_graph, host_routing_under_capture
 
 ExpertFn = Callable[[int, Tensor], Tensor]
 RowsFn = Callable[[Tensor, Tensor], Tensor]
@@ -49,11 +49,9 @@ def route_to_experts(
         out.index_add_(0, tokens, (rows_out * scale[:, None]).to(torch.float32))
         return out.to(hidden_states.dtype)
     if capturing_cuda_graph(hidden_states.device):
-        raise RuntimeError(
+        raise host_routing_under_capture(
             "these experts run one expert at a time (their format, layout or device has no "
-            "one-launch path), which reads the routing on the host, and a CUDA graph capture "
-            "cannot: compile without CUDA graphs (torch.compile(model, mode='default')), or use "
-            f"experts of a scheme that runs in one launch ({', '.join(ONE_LAUNCH_SCHEMES)})"
+            "one-launch path)"
         )
     with torch.no_grad():
         hit = torch.unique(top_k_index)
