@@ -81,8 +81,9 @@ def fold_layer_norm(bridge: Any, *, dequantize: bool = False, inplace: bool = Fa
 
     ln1 -> q/k/v (or fused qkv), ln2 -> MLP input/gate/up (fused gate_up, MoE router, all
     experts, a shared expert and its gate), final norm -> unembedding (untied from the embedding
-    first). The norms keep normalizing with an identity affine (Gemma's ``1 + w`` with ``w = 0``). Sandwich post-norms
-    and q/k norms act after a projection and are left as they are.
+    first). The norms keep normalizing with an identity affine (Gemma's ``1 + w`` with
+    ``w = 0``). Sandwich post-norms and q/k norms act after a projection and are left as they
+    are.
     """
     result = prepare(bridge, "fold layer norms", dequantize=dequantize, inplace=inplace)
     _fold_layer_norm(result.bridge)
