@@ -9,6 +9,12 @@ divisibility by 16 and width, the other scalars' types, the constexprs and launc
 arguments are all fixed but a few tensors prepares its launch once (``FastLaunch.prepare``):
 the fixed arguments' keys are computed then, and a call keys only its tensors.
 
+Direct launches pass every tensor as its device address (an int): Triton's launcher then
+neither calls ``data_ptr()`` nor asks the driver to validate each pointer (one
+``cuPointerGetAttribute`` per tensor per launch). The normal first launch of each key still
+passes the tensors, so the driver checks them once; later calls of a key reuse tensors on the
+device the key names (qlens' plans check devices once, when built).
+
 Checked against Triton 3.6 and 3.9, whose launch call (``CompiledKernel.run(grid0, grid1, grid2,
 stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)``) is the
 same. Other versions, the CPU interpreter and non-NVIDIA targets take the normal launch.
@@ -91,7 +97,7 @@ class FastLaunch:
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             stream, compiled.function, compiled.packed_metadata, metadata, enter, exit_,
-            *args, *tail,
+            *map(_address, args), *tail,
         )  # fmt: skip
 
     def _first_launch(
@@ -148,7 +154,9 @@ class PreparedLaunch:
     launcher directly. A call whose current device is not ``device`` switches to it.
     """
 
-    __slots__ = ("_device", "_grid", "_options", "_parts", "_site", "_slots", "launcher")
+    __slots__ = (
+        "_addresses", "_device", "_grid", "_options", "_parts", "_site", "_slots", "launcher"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -170,6 +178,9 @@ class PreparedLaunch:
         self._parts = tuple(
             tuple(args[a + 1 : b]) for a, b in zip(bounds, bounds[1:], strict=False)
         )
+        # The same with each fixed tensor as its address (the direct launch's arguments); the
+        # tensors themselves stay referenced in ``_parts``.
+        self._addresses = tuple(tuple(map(_address, part)) for part in self._parts)
         self._device = device.index if device.type == "cuda" else None
         fixed = tuple(arg_key(arg) for part in self._parts for arg in part)
         self._site = launcher.site((fixed, self._slots, tuple(options.items())))
@@ -194,18 +205,29 @@ class PreparedLaunch:
             with torch.cuda.device(self._device):
                 self(*tensors)
             return
-        key = (device, self._site, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        pointers = [t.data_ptr() for t in tensors]
+        key = (
+            device, self._site,
+            *[(t.dtype, p % 16 == 0) for t, p in zip(tensors, pointers, strict=True)],
+        )  # fmt: skip
         compiled_kernels = self.launcher._compiled
         entry = compiled_kernels.get(key)
-        args = self.arguments(*tensors)
         if entry is None:
+            args = self.arguments(*tensors)
             compiled_kernels[key] = self.launcher._first_launch(self._grid, args, self._options)
             return
         compiled, tail = entry
         stream = runtime.current_stream(device)
         enter, exit_ = runtime.hooks()
         grid = self._grid
-        metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter else None
+        metadata = None
+        if enter:
+            metadata = compiled.launch_metadata(grid, stream, *self.arguments(*tensors), *tail)
+        parts = self._addresses
+        args = list(parts[0])
+        for pointer, part in zip(pointers, parts[1:], strict=True):
+            args.append(pointer)
+            args.extend(part)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
             metadata, enter, exit_, *args, *tail,
@@ -219,6 +241,12 @@ class PreparedLaunch:
             for key in self.launcher._compiled
             if type(key[1]) is int and key[1] == site
         ]
+
+
+def _address(arg: Any) -> Any:
+    """A tensor's device address (what Triton's launcher reads from an int unchecked); any
+    other argument unchanged."""
+    return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
 
 
 def _tail_arguments(kernel: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[Any, ...]:

@@ -114,8 +114,14 @@ def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m
 
 class PackedGemv:
     """The word-wise GEMV of one weight for ``m`` rows of one dtype, prepared once: grid,
-    strides, constants and the weight's tensors are fixed, so a call regroups ``x``, allocates
-    the output and launches (plus the split reduction when K is split).
+    strides, constants and the weight's tensors are fixed, so a call allocates the output and
+    launches (plus the split reduction when K is split).
+
+    ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
+    one launch; else ``x`` is regrouped first (``permute_codes``, one more launch), which makes
+    the kernel itself faster (``benchmarks/tuning/results/x_as_is_h200.md``: 28672 x 4096 MXFP4
+    34.8 against 64.5 us in a CUDA graph, while eager calls took 53.1 against 64.7 us). Rows
+    on tensor cores always take ``x`` regrouped.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""
@@ -129,6 +135,8 @@ class PackedGemv:
         has_bias: bool,
         cfg: LinearConfig,
         experts: ExpertStrides | None = None,
+        out_shape: tuple[int, ...] | None = None,
+        x_as_is: bool = True,
     ) -> None:
         block_m = _packed_block_m(m, cfg, experts=experts is not None)
         use_dot = block_m > 1  # FMAs serve one row a program
@@ -136,16 +144,21 @@ class PackedGemv:
             require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
         split = 1 if experts is not None else cfg.split_k
         device = words.device
-        self.m, self.n, self.for_dot, self.has_bias = m, w.n, use_dot, has_bias
-        self.out_shape, self.dtype, self.device = (m, w.n), dtype, device
+        self.m, self.k, self.n, self.for_dot, self.has_bias = m, w.k, w.n, use_dot, has_bias
+        self.out_shape, self.dtype, self.device = out_shape or (m, w.n), dtype, device
         self.partials_shape = (split, m, w.n) if split > 1 else None
         self.reduce = prepared_reduce(split, m, w.n, has_bias, device, words) if split > 1 else None
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
-        n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
+        self.regroup = use_dot or not x_as_is
+        if self.regroup:
+            n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
+            stride_xm, stride_xj = 8 * n_words, n_words
+        else:  # x as it is: [m, k] row-major
+            stride_xm, stride_xj = w.k, 1
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
         args = (
             slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
-            m, w.n, w.k, 8 * n_words, n_words, words.stride(0), scales.stride(0), w.n,
+            m, w.n, w.k, stride_xm, stride_xj, words.stride(0), scales.stride(0), w.n,
             m * w.n if split > 1 else 0,
             *((0, 0, 0) if experts is None else (experts.data, experts.scales,
                                                  experts.global_scale)),
@@ -162,16 +175,20 @@ class PackedGemv:
             MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
             USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret,
             EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            X_NATURAL=not self.regroup, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(
-        self, x: Float[Tensor, "m k"], bias: Tensor | None, ids: Tensor | None = None
-    ) -> Float[Tensor, "m n"]:
-        """``x @ W.T + bias`` (``x``: the prepared rows and dtype; expert ids as int32)."""
+        self, x: Float[Tensor, "*rows k"], bias: Tensor | None, ids: Tensor | None = None
+    ) -> Float[Tensor, "*rows n"]:
+        """``x @ W.T + bias`` (``x``: the prepared rows, in the leading shape the output was
+        prepared with, and dtype; expert ids as int32)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        xp = permute_codes(x, for_dot=self.for_dot)
+        if self.regroup:
+            xp = permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot)
+        else:
+            xp = x
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         tensors = [xp, bias, out] if self.has_bias else [xp, out]
         if self.partials_shape is not None:
@@ -193,10 +210,16 @@ class ByteGemv:
     :class:`PackedGemv`."""
 
     def __init__(
-        self, w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+        self,
+        w: KernelWeight,
+        m: int,
+        dtype: torch.dtype,
+        has_bias: bool,
+        cfg: LinearConfig,
+        out_shape: tuple[int, ...] | None = None,
     ) -> None:
         split = cfg.split_k
-        self.has_bias, self.out_shape, self.dtype = has_bias, (m, w.n), dtype
+        self.has_bias, self.out_shape, self.dtype = has_bias, out_shape or (m, w.n), dtype
         self.partials_shape = (split, m, w.n) if split > 1 else None
         data, scales, zeros, global_scale = kernel_args(w)
         device = self.device = data.device
@@ -216,8 +239,10 @@ class ByteGemv:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    def __call__(self, x: Float[Tensor, "m k"], bias: Tensor | None) -> Float[Tensor, "m n"]:
-        """``x @ W.T + bias`` (``x``: the prepared rows and dtype)."""
+    def __call__(
+        self, x: Float[Tensor, "*rows k"], bias: Tensor | None
+    ) -> Float[Tensor, "*rows n"]:
+        """``x @ W.T + bias`` (``x``: the prepared rows, leading shape and dtype)."""
         if not x.is_contiguous():
             x = x.contiguous()
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -241,33 +266,48 @@ _MAX_KEPT_CALLS = 512
 
 
 def prepared_gemv(
-    w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+    w: KernelWeight,
+    m: int,
+    dtype: torch.dtype,
+    has_bias: bool,
+    cfg: LinearConfig,
+    out_shape: tuple[int, ...] | None = None,
+    x_as_is: bool = True,
 ) -> GemvCall:
     """:func:`prepare_gemv`, kept on the launch view ``w`` (views are kept on their payloads)."""
     calls = w.__dict__.setdefault("_qlens_gemv_calls", {})
-    key = (m, dtype, has_bias, cfg)
+    key = (m, dtype, has_bias, cfg, out_shape, x_as_is)
     call = calls.get(key)
     if call is None:
         if len(calls) >= _MAX_KEPT_CALLS:
             calls.clear()
-        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg)
+        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg, out_shape, x_as_is)
     return call
 
 
 def prepare_gemv(
-    w: KernelWeight, m: int, dtype: torch.dtype, has_bias: bool, cfg: LinearConfig
+    w: KernelWeight,
+    m: int,
+    dtype: torch.dtype,
+    has_bias: bool,
+    cfg: LinearConfig,
+    out_shape: tuple[int, ...] | None = None,
+    x_as_is: bool = True,
 ) -> GemvCall:
     """The ``"gemv"`` path's launch for ``m`` rows of ``dtype`` against ``w``, prepared once:
     packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
-    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond."""
+    ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond. The call takes contiguous
+    ``x`` of ``m`` rows in any leading shape and returns ``out_shape`` (default ``[m, n]``);
+    ``x_as_is``: see :class:`PackedGemv`."""
     words = word_view(w) if cfg.words else None
     if words is not None:
-        return PackedGemv(w, words, m, dtype, has_bias, cfg)
+        return PackedGemv(w, words, m, dtype, has_bias, cfg, out_shape=out_shape, x_as_is=x_as_is)
     if m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         splitk = replace(cfg, path="splitk")
-        return lambda x, bias: weight_only_linear(x, w, bias, splitk)
-    return ByteGemv(w, m, dtype, has_bias, cfg)
+        shape = out_shape or (m, w.n)
+        return lambda x, bias: weight_only_linear(x.reshape(m, w.k), w, bias, splitk).view(shape)
+    return ByteGemv(w, m, dtype, has_bias, cfg, out_shape)
 
 
 def experts_gemv(

@@ -16,10 +16,11 @@ and multiplied by the group scale once per word instead of once per code. The pr
 ``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
 (``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
 activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
-code position). For two rows or more the decoded, scaled codes feed tensor-core dots, one per
-code position (an ``[M, N, words]`` FMA product for 2-4 rows ran at 0.06-0.07x bf16 on the
-H200, ``benchmarks/results/gemv_registers_h200.md``). ``x`` arrives regrouped by code position
-(``qlens.kernels.gemv.permute_codes``).
+code position); it reads ``x`` in the caller's layout and dtype, code ``j`` of each word eight
+elements apart, so a call launches nothing but the GEMV. For two rows or more the decoded,
+scaled codes feed tensor-core dots, one per code position (an ``[M, N, words]`` FMA product for
+2-4 rows ran at 0.06-0.07x bf16 on the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on
+``x`` regrouped by code position (``qlens.kernels.gemv.permute_codes``).
 """
 
 from typing import no_type_check
@@ -170,27 +171,34 @@ def _fma_tile(
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
+    X_NATURAL: tl.constexpr,
 ):  # fmt: skip
     """``acc[n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile and the one
     row ``offs_m`` (``[1]``) of ``x``, in FMAs.
 
     ``x`` is read as ``[1, words]``; with the warps side by side along K it takes the words' own
-    layout, so each thread reuses its ``x`` registers for all its rows. ``x`` comes regrouped as
-    float32 (``permute_codes``).
+    layout, so each thread reuses its ``x`` registers for all its rows. ``X_NATURAL``: ``x`` as
+    the caller holds it (row-major, any float dtype), code ``j`` of word ``w`` at ``8 w + j``;
+    else regrouped as float32 (``permute_codes``), code ``j`` at ``j * stride_xj + w``.
     """
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
-    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
+    if X_NATURAL:
+        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w * 8
+        x_ok = offs_w * 8 < K
+    else:
+        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
+        x_ok = offs_w < stride_xj
     scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
         if MASK_K:
-            x = tl.load(x_ptrs + j * stride_xj, mask=offs_w < stride_xj, other=0.0)
+            x = tl.load(x_ptrs + j * stride_xj, mask=x_ok, other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_ptrs + j * stride_xj)
+            x = tl.load(x_ptrs + j * stride_xj).to(tl.float32)
         w = _code(state, zero, j, FAMILY, USE_ASM)
         if j == 0:
             part = w * x
@@ -272,7 +280,7 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, X_NATURAL: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
     (one row, ``BLOCK_M == 1``) or tensor-core dots in the activations' dtype ``X_DTYPE``
@@ -280,7 +288,8 @@ def packed_gemv_kernel(
 
     ``EXPERTS`` (one row per program): row ``m`` multiplies the weight of expert
     ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
-    lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart."""
+    lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart. ``X_NATURAL`` (FMAs
+    only): ``x`` in its own layout and dtype, rows ``stride_xm`` apart, ``stride_xj == 1``."""
     if EXPERTS:
         expert = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
         words_ptr += expert * stride_we
@@ -308,13 +317,13 @@ def packed_gemv_kernel(
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
                 K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_NATURAL,
             )  # fmt: skip
         if k_full < k_end:
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
                 N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_NATURAL,
             )  # fmt: skip
         total = tl.sum(acc, axis=1)[None, :]
     store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,

@@ -57,12 +57,21 @@ class LinearPlan:
 
     On the kernel route each (row count, activation dtype, bias or none) gets its launch
     prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
-    so a later call reshapes, allocates the output and launches. ``route`` overrides the
-    choice (the kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). Built by
-    :func:`plan_for`, which keeps it on the payload.
+    so a later call allocates the output and launches. ``route`` overrides the choice (the
+    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` regroups a
+    single row before the packed 4-bit GEMV (one more launch, a faster kernel: what compiled
+    code and CUDA graphs want; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps
+    it on the payload.
     """
 
-    def __init__(self, payload: QuantPayload, device: torch.device, route: Route | None = None):
+    def __init__(
+        self,
+        payload: QuantPayload,
+        device: torch.device,
+        route: Route | None = None,
+        *,
+        x_as_is: bool = True,
+    ):
         reason = None
         if route is None:
             route, reason = choose_route(payload, device)
@@ -70,10 +79,12 @@ class LinearPlan:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.payload = payload
         self.device = device
+        self.x_as_is = x_as_is
         self.route: Route = route
         self.view: KernelWeight | None = kernel_weight(payload) if route == "kernel" else None
         self._configs: dict[int, LinearConfig] = {}
-        self._calls: dict[tuple[int, torch.dtype, bool], LaunchCall] = {}
+        # Prepared launches by (input shape, activation dtype, bias or none).
+        self._calls: dict[tuple[torch.Size, torch.dtype, bool], LaunchCall] = {}
         self._values_checked = False
         if route == "reference" and device.type != "cpu":
             _warn_reference_on_accelerator(payload, device, reason or "unsupported")
@@ -82,6 +93,9 @@ class LinearPlan:
         self, x: Float[Tensor, "*batch k"], bias: Float[Tensor, " n"] | None = None
     ) -> Float[Tensor, "*batch n"]:
         """``x @ W.T + bias``; float64 activations (no kernel reads them) take the reference."""
+        call = self._calls.get((x.shape, x.dtype, bias is None))
+        if call is not None:  # a launch prepared for this input shape, dtype and bias
+            return call(x, bias)
         if self.route == "kernel" and x.dtype in ACTIVATION_DTYPES:
             return self._kernel(x, bias)
         if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
@@ -99,6 +113,7 @@ class LinearPlan:
         return config
 
     def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """The first call of an input shape, dtype and bias: checks, then prepares its launch."""
         w = self.view
         assert w is not None
         if x.shape[-1] != w.k:
@@ -106,31 +121,27 @@ class LinearPlan:
                 f"input's last dim is {x.shape[-1]} but the weight has in_features {w.k} "
                 f"(weight shape [{w.n}, {w.k}])"
             )
-        x2 = x.reshape(-1, w.k) if x.dim() != 2 else x
-        m = x2.shape[0]
-        call = self._calls.get((m, x.dtype, bias is None))
-        if call is None:
-            if m == 0:
-                return x.new_empty((*x.shape[:-1], w.n))
-            call = self._prepare(m, x.dtype, bias is None)
-        out = call(x2, bias)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.n)
+        if x.numel() == 0:
+            return x.new_empty((*x.shape[:-1], w.n))
+        return self._prepare(x.shape, x.dtype, bias is None)(x, bias)
 
-    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> LaunchCall:
-        """The launch for ``m`` rows of ``dtype``, prepared and kept."""
+    def _prepare(self, shape: torch.Size, dtype: torch.dtype, no_bias: bool) -> LaunchCall:
+        """The launch for inputs of ``shape`` and ``dtype``, prepared and kept."""
         w = self.view
         assert w is not None, "only the kernel route has launches"
+        m = shape.numel() // w.k
+        out_shape = (*shape[:-1], w.n)
         config = self.config(m)
         call: LaunchCall
         if config.path == "gemv":
             from qlens.kernels.gemv import prepared_gemv  # Triton: once a launch is prepared
 
-            call = prepared_gemv(w, m, dtype, not no_bias, config)
+            call = prepared_gemv(w, m, dtype, not no_bias, config, out_shape, self.x_as_is)
         else:
-            call = functools.partial(_launch_on, w, config)
+            call = functools.partial(_launch_on, w, config, out_shape)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:
             self._calls.clear()
-        self._calls[m, dtype, no_bias] = call
+        self._calls[shape, dtype, no_bias] = call
         return call
 
     def _dequantize(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -149,20 +160,29 @@ class LinearPlan:
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-def _launch_on(w: KernelWeight, config: LinearConfig, x2: Tensor, bias: Tensor | None) -> Tensor:
-    return launch_kernel(x2, w, bias, config)
+def _launch_on(
+    w: KernelWeight,
+    config: LinearConfig,
+    out_shape: tuple[int, ...],
+    x: Tensor,
+    bias: Tensor | None,
+) -> Tensor:
+    return launch_kernel(x.reshape(-1, w.k), w, bias, config).view(out_shape)
 
 
-def plan_for(payload: QuantPayload, device: torch.device) -> LinearPlan:
+def plan_for(payload: QuantPayload, device: torch.device, *, x_as_is: bool = True) -> LinearPlan:
     """The plan of ``payload`` on ``device``, kept on the payload (``cached_on_payload``): built
     on the first call and again only when the payload's tensors, format or layout change."""
-    return cached_on_payload(payload, f"plan_{device}", lambda p: LinearPlan(p, device))
+    name = f"plan_{device}" if x_as_is else f"plan_{device}_regrouped"
+    return cached_on_payload(payload, name, lambda p: LinearPlan(p, device, x_as_is=x_as_is))
 
 
 def linear(
     x: Float[Tensor, "*batch k"],
     payload: QuantPayload,
     bias: Float[Tensor, " n"] | None = None,
+    *,
+    x_as_is: bool = True,
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
 
@@ -170,9 +190,10 @@ def linear(
     formats they read, a Triton dequantize then cuBLAS for formats with only a dequantize kernel
     (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
     CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
-    made on the first call and kept on the payload.
+    made on the first call and kept on the payload. ``x_as_is``: see :class:`LinearPlan`
+    (the ``qlens::linear`` op that compiled code calls passes False).
     """
-    return plan_for(payload, x.device)(x, bias)
+    return plan_for(payload, x.device, x_as_is=x_as_is)(x, bias)
 
 
 _WARNED: set[tuple[str, str]] = set()

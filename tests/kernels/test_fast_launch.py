@@ -141,7 +141,8 @@ def test_normal_launch_once_per_key_then_direct_launches() -> None:
     assert len(compiled.runs) == 2
     run = compiled.runs[-1]
     assert run[:9] == (4, 2, 1, 1000, "fn", (4, 1), None, None, None)
-    assert run[9] is a and run[10] is b
+    # Direct launches pass tensors as their addresses, which Triton's launcher reads unchecked.
+    assert run[9] == a.data_ptr() and run[10] == b.data_ptr()
     assert run[11:] == (48, 16, True)  # runtime args, then BLOCK, then FLAG's default
 
     launcher.launch((4,), buf[1:], b, 48, BLOCK=16, num_warps=4)  # misaligned pointer
@@ -317,7 +318,7 @@ def test_prepared_launch_fills_its_slots_and_keys_only_them() -> None:
     run = kernel.compiled[0].runs[-1]
     assert len(kernel.compiled[0].runs) == 2
     assert run[:9] == (4, 1, 1, 1000, "fn", (4, 1), None, None, None)
-    assert run[9].data_ptr() == buf[8:].data_ptr() and run[10] is fixed
+    assert run[9] == buf[8:].data_ptr() and run[10] == fixed.data_ptr()  # addresses
     assert run[11:] == (48, 16, True)
     launch(buf[1:17])  # misaligned: Triton compiles another specialization
     launch(buf.float()[:16])  # another dtype
@@ -409,7 +410,8 @@ def test_prepared_launches_of_one_site_share_their_compiled_kernels() -> None:
     first(x)
     same(x)  # direct: the kernel compiled for the first is the one Triton would pick
     assert len(kernel.normal) == 1 and kernel.compiled[0].runs[0][:3] == (8, 1, 1)
-    assert kernel.compiled[0].runs[0][10] is other and kernel.compiled[0].runs[0][11] == 64
+    assert kernel.compiled[0].runs[0][10] == other.data_ptr()
+    assert kernel.compiled[0].runs[0][11] == 64
     for fixed_args, options in (
         ((None, fixed, 49), {"BLOCK": 16}),  # an int no longer divisible by 16
         ((None, fixed[1:], 48), {"BLOCK": 16}),  # a misaligned fixed tensor

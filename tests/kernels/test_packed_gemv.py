@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
-from qlens.kernels import LinearConfig, quantized_linear
+from qlens.kernels import LinearConfig, gemv, quantized_linear
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import permute_codes, word_view
 from qlens.kernels.packed_gemv import (
@@ -113,25 +113,28 @@ def _reference(x, payload, bias=None):
     return F.linear(x.double(), weight, None if bias is None else bias.double())
 
 
+@pytest.mark.parametrize("as_is", (True, False), ids=("x-as-is", "x-regrouped"))
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
-def test_packed_gemv_matches_reference(case):
-    # K = 328: one or five full tiles plus a ragged tail; N = 40: a partial N tile.
+def test_packed_gemv_matches_reference(case, as_is):
+    # K = 328: one or five full tiles plus a ragged tail; N = 40: a partial N tile. One row
+    # reads x as it is (or regrouped first, for comparisons); more rows always regroup it.
     payload = quantized(40, 328, case)
-    assert word_view(kernel_weight(payload)) is not None  # the word-wise kernel serves it
+    view = kernel_weight(payload)
+    assert word_view(view) is not None  # the word-wise kernel serves it
     bias = torch.randn(40)
     for m, split, block_n, block_k in (
         (1, 1, 32, 256), (1, 2, 4, 64), (3, 1, 32, 64), (5, 2, 32, 64), (17, 1, 32, 256)
     ):  # fmt: skip
         x = torch.randn(m, 328)
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
-        out = quantized_linear(x, payload, bias, config=cfg)
+        out = gemv.prepare_gemv(view, m, x.dtype, True, cfg, x_as_is=as_is)(x, bias)
         assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_packed_gemv_half_activations(dtype):
     payload = quantized(32, 128, ("nvfp4", {}))
-    for m in (2, 16):  # FMAs, tensor-core dots
+    for m in (1, 2, 16):  # FMAs on x as it is, tensor-core dots on x regrouped
         x = torch.randn(m, 128).to(dtype)
         out = quantized_linear(x, payload, config=LinearConfig("gemv", 16, 32, 128))
         assert out.dtype == dtype

@@ -208,8 +208,9 @@ class DirectLaunches:
 
     A normal launch (a launch key seen for the first time) runs the interpreted kernel and
     keeps a stand-in compiled kernel whose ``run`` launches it again with exactly the arguments
-    the direct path passes, so results stay checked. Counts the normal launches and every
-    Triton launch (``InterpretedFunction.run``, whatever path made it).
+    the direct path passes (tensors as their addresses, mapped back to the tensors launched), so
+    results stay checked. Counts the normal launches and every Triton launch
+    (``InterpretedFunction.run``, whatever path made it).
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,6 +220,8 @@ class DirectLaunches:
         self.normal = self.launches = 0
         run = InterpretedFunction.run
         signatures: dict[object, JITFunction] = {}
+        by_address: dict[int, torch.Tensor] = {}
+        prepared_call = fast_launch.PreparedLaunch.__call__
 
         def count_run(kernel, *args, **kwargs):
             self.launches += 1
@@ -229,10 +232,17 @@ class DirectLaunches:
             launcher.kernel[grid](*args, **options)
             fn = launcher.kernel.fn
             jit = signatures.setdefault(fn, JITFunction(fn))  # the kernel's parameters
-            return _InterpretedCompiled(launcher.kernel), fast_launch._tail_arguments(
-                jit, args, options
-            )
+            tensors = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+            stand_in = _InterpretedCompiled(launcher.kernel, tensors, by_address)
+            return stand_in, fast_launch._tail_arguments(jit, args, options)
 
+        def remember_tensors(launch, *tensors):
+            for tensor in launch.arguments(*tensors):
+                if isinstance(tensor, torch.Tensor):
+                    by_address[tensor.data_ptr()] = tensor
+            return prepared_call(launch, *tensors)
+
+        monkeypatch.setattr(fast_launch.PreparedLaunch, "__call__", remember_tensors)
         monkeypatch.setattr(InterpretedFunction, "run", count_run)
         for launcher in (gemv.PACKED_GEMV, gemv._GEMV, _WEIGHT_ONLY):  # no kernel kept yet
             monkeypatch.setattr(launcher, "_compiled", {})
@@ -249,15 +259,19 @@ class _InterpretedCompiled:
     function = "interpreted"
     packed_metadata = ()
 
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel, tensors: list[int], by_address: dict[int, torch.Tensor]) -> None:
+        self.kernel, self.tensors, self.by_address = kernel, tensors, by_address
 
     def launch_metadata(self, *args) -> None:
         raise AssertionError("no launch hook is set")
 
     def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args) -> None:
         assert (stream, function, metadata, enter, exit_) == (7, "interpreted", None, None, None)
-        self.kernel[(g0, g1, g2)](*args)
+        resolved = list(args)
+        for i in self.tensors:
+            assert type(args[i]) is int, "direct launches pass tensors as addresses"
+            resolved[i] = self.by_address[args[i]]
+        self.kernel[(g0, g1, g2)](*resolved)
 
 
 class _DeviceZero:

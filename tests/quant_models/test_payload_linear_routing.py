@@ -117,3 +117,30 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     payload.data = payload.data.clone()
     run(x, payload)
     assert seen == [True, False, False, True]
+
+
+def test_compiled_op_regroups_one_row_and_eager_calls_read_it_as_is(monkeypatch) -> None:
+    """``qlens::linear`` (what compiled code calls) takes the plan that regroups a single row
+    before the packed GEMV; eager calls take the one that reads it as it is. Two plans, kept
+    apart on the payload."""
+    import qlens.kernels.ops  # noqa: F401 - registers torch.ops.qlens
+    from qlens.quant.payload_spec import PayloadSpec
+
+    payload = quantize_weight(torch.randn(8, 64), "int4")
+    seen: list[bool] = []
+    real = plan.plan_for
+
+    def recording(p, device, *, x_as_is=True):
+        seen.append(x_as_is)
+        return real(p, device, x_as_is=x_as_is)
+
+    monkeypatch.setattr(plan, "plan_for", recording)
+    spec = PayloadSpec.of(payload)
+    tensors = [payload.tensors()[name] for name in spec.tensor_names]
+    x = torch.randn(1, 64)
+    compiled = torch.ops.qlens.linear(x, tensors, spec.key, None)
+    assert torch.equal(compiled, plan.linear(x, payload))
+    assert seen == [False, True]
+    regrouped = real(payload, META, x_as_is=False)
+    assert regrouped is real(payload, META, x_as_is=False) and regrouped is not real(payload, META)
+    assert not regrouped.x_as_is and real(payload, META).x_as_is
