@@ -255,6 +255,9 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
     except Exception as err:  # noqa: BLE001 - the other shapes still run
         free_memory()
         return [Row("bf16", {"weights_gib": error_cell(err)})]
+    with torch.no_grad():  # warms the process up: its first timed decode ran slow otherwise
+        for _ in range(2):
+            decode_call(hf_generate(base), work, work.decode_tokens)()
     rows = [measure_model("bf16", lambda: base, work, True, compiles("bf16"))]
     for scheme in schemes:
         if scheme in BNB_SCHEMES:
