@@ -140,6 +140,42 @@ def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) ->
         forget_compiled(model)
 
 
+def paired_speedup(bf16_run: Callable[[], None], run: Callable[[], None], repeats: int) -> float:
+    """bf16's time over this model's, as the median over ``repeats`` back-to-back pairs (bf16,
+    then this model, each synchronized): a host whose speed drifts slows both sides of a pair
+    alike, where two separate medians minutes apart can differ by tens of percent."""
+
+    def timed(call: Callable[[], None]) -> float:
+        return median_wall_s(call, repeats=1, warmup=0)
+
+    bf16_run()
+    run()  # both warm
+    ratios = sorted(timed(bf16_run) / timed(run) for _ in range(repeats))
+    return ratios[len(ratios) // 2]
+
+
+def measure_paired(row: Row, model: nn.Module, base: nn.Module, work: Workload) -> None:
+    """Plain HF prefill and eager decode of ``model`` against bf16 ``base``, paired."""
+
+    def prefill(m: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            m(input_ids=work.tokens, use_cache=False)
+
+        return run
+
+    row.measure(
+        "paired_prefill", lambda: paired_speedup(prefill(base), prefill(model), work.repeats)
+    )
+    row.measure(
+        "paired_decode",
+        lambda: paired_speedup(
+            decode_call(hf_generate(base), work, work.decode_tokens),
+            decode_call(hf_generate(model), work, work.decode_tokens),
+            work.repeats,
+        ),
+    )
+
+
 def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     from transformers import CompileConfig
 
@@ -210,9 +246,15 @@ def bridge_generate(bridge) -> Callable[..., torch.Tensor]:
 
 
 def measure_model(
-    scheme: str, make: Callable[[], nn.Module], work: Workload, bridge: bool, compiled: bool
+    scheme: str,
+    make: Callable[[], nn.Module],
+    work: Workload,
+    bridge: bool,
+    compiled: bool,
+    base: nn.Module | None = None,
 ) -> Row:
-    """Build one model with ``make`` and measure it; the model is freed afterwards."""
+    """Build one model with ``make`` and measure it (against bf16 ``base`` in pairs too, when
+    given); the model is freed afterwards."""
     row = Row(scheme)
     holder: list[nn.Module] = []
 
@@ -226,6 +268,8 @@ def measure_model(
             if bridge:
                 measure_bridge(row, holder[0], work)
             measure_plain(row, holder[0], work, compiled)
+            if base is not None:
+                measure_paired(row, holder[0], base, work)
     holder.clear()
     free_memory()
     return row
@@ -265,13 +309,13 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
             def make(scheme: str = scheme) -> nn.Module:
                 return bnb_quantized(base, scheme)
 
-            rows.append(measure_model(scheme, make, work, False, compiles(scheme)))
+            rows.append(measure_model(scheme, make, work, False, compiles(scheme), base))
         else:
 
             def make(scheme: str = scheme) -> nn.Module:
                 return qlens.quantize(base, scheme)
 
-            rows.append(measure_model(scheme, make, work, True, compiles(scheme)))
+            rows.append(measure_model(scheme, make, work, True, compiles(scheme), base))
     return rows
 
 
@@ -294,6 +338,8 @@ COLUMNS = (
     "compiled vs bf16",
     "HF prefill vs NF4",
     "HF decode vs NF4",
+    "HF prefill vs bf16, paired",
+    "HF decode vs bf16, paired",
 )
 
 
@@ -315,6 +361,12 @@ def table(rows: list[Row]) -> list[str]:
         if isinstance(value, float):
             return format(value * scale, style)
         return value if isinstance(value, str) else "-"
+
+    def paired(cells: dict, key: str) -> str:
+        value = cells.get(key)
+        if isinstance(value, float):
+            return f"{value:.2f}x"
+        return value if isinstance(value, str) else ""
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     for row in rows:
@@ -338,6 +390,8 @@ def table(rows: list[Row]) -> list[str]:
             ratio(num(c, "compiled_decode"), num(bf16, "compiled_decode")),
             ratio(num(nf4, "hf_prefill_s"), num(c, "hf_prefill_s")),
             ratio(num(c, "hf_decode"), num(nf4, "hf_decode")),
+            "1.00x" if row.scheme == "bf16" else paired(c, "paired_prefill"),
+            "1.00x" if row.scheme == "bf16" else paired(c, "paired_decode"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -412,6 +466,9 @@ def main(argv: list[str] | None = None) -> str:
         "Ratios: speed-ups are bf16 (or NF4) time / this row's time; `cache / bf16 prefill` is "
         "this row's run_with_cache time / bf16's plain bridge prefill; bridge overhead is the "
         "bridge's time / the plain HF model's time on the same model (1.00x = no cost). "
+        "The paired columns time bf16 and this model back to back, alternating, and give the "
+        "median of bf16's time / this model's over the pairs (robust to a host whose speed "
+        "drifts during the run). "
         "bitsandbytes rows run through plain HF only, and quantize `nn.Linear` layers only (the "
         "MoE's fused experts stay bf16). Cells starting with `error:` are "
         "measurements that failed.",

@@ -126,7 +126,7 @@ def _direct_launches() -> dict[str, object]:
         return {label: lambda: direct.launch(grid, *args, **options)}
     prepared = plan.LinearPlan(payload, x.device, route="kernel")
     prepared(x)
-    launch = prepared._calls[1, x.dtype, True].launch  # type: ignore[attr-defined]
+    launch = prepared._calls[x.shape, x.dtype, True].launch  # type: ignore[attr-defined]
     launch.launcher = direct
     out = torch.empty(1, 4096)
     return {label: lambda: launch(x, out)}

@@ -41,6 +41,11 @@ def test_tiny_run_measures_every_cell(tmp_path):
     assert all(nf4[column] == "-" for column in bridge_columns)
     assert float(nf4["HF decode tok/s"]) > 0 and nf4["HF decode vs NF4"] == "1.00x"
     assert float(bf16["compiled tok/s"]) > 0 and bf16["compiled vs bf16"] == "1.00x"
+    # bf16 against itself in pairs is 1.00x by definition; the others are measured pairs.
+    assert bf16["HF decode vs bf16, paired"] == "1.00x"
+    for row in (int4, nf4):
+        for column in ("HF prefill vs bf16, paired", "HF decode vs bf16, paired"):
+            assert row[column].endswith("x") and float(row[column][:-1]) > 0, (column, row)
     assert int4["compiled tok/s"] == "-"  # not in --compile-schemes
     # int4 with group 128 stores 4.125 bits per weight against 16; embeddings and the
     # unembedding stay bf16, so the tiny model shrinks less than 16 / 4.125.
