@@ -224,13 +224,13 @@ class PreparedLaunch:
         if enter:
             metadata = compiled.launch_metadata(grid, stream, *self.arguments(*tensors), *tail)
         parts = self._addresses
-        args = list(parts[0])
+        addresses = list(parts[0])
         for pointer, part in zip(pointers, parts[1:], strict=True):
-            args.append(pointer)
-            args.extend(part)
+            addresses.append(pointer)
+            addresses.extend(part)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-            metadata, enter, exit_, *args, *tail,
+            metadata, enter, exit_, *addresses, *tail,
         )  # fmt: skip
 
     def cached_keys(self) -> list[tuple[Any, ...]]:
