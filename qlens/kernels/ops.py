@@ -20,12 +20,15 @@ from qlens.quant.payload_spec import spec_from_key
 
 @torch.library.custom_op("qlens::linear", mutates_args=())
 def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
-    """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)``; one row is
-    regrouped before the packed GEMV (compiled code and CUDA graphs hide the extra launch's
-    host time and gain the faster kernel)."""
+    """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)``. Under CUDA
+    graph capture (``mode="reduce-overhead"``, transformers' static-cache compile) one row is
+    regrouped before the packed GEMV: the replayed graph pays no host time for the extra
+    launch and gains the faster kernel. Otherwise, as eagerly, it is read as it is."""
+    from qlens.kernels.experts import capturing_cuda_graph
     from qlens.kernels.plan import linear
 
-    return linear(x, spec_from_key(spec).build(tensors), bias, x_as_is=False)
+    capturing = capturing_cuda_graph(x.device)
+    return linear(x, spec_from_key(spec).build(tensors), bias, x_as_is=not capturing)
 
 
 @linear_op.register_fake

@@ -59,8 +59,8 @@ class LinearPlan:
     prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
     so a later call allocates the output and launches. ``route`` overrides the choice (the
     kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` regroups a
-    single row before the packed 4-bit GEMV (one more launch, a faster kernel: what compiled
-    code and CUDA graphs want; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps
+    single row before the packed 4-bit GEMV (one more launch, a faster kernel: what a CUDA
+    graph wants, since its replays cost no host time a launch; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps
     it on the payload.
     """
 
@@ -191,7 +191,7 @@ def linear(
     (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
     CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
     made on the first call and kept on the payload. ``x_as_is``: see :class:`LinearPlan`
-    (the ``qlens::linear`` op that compiled code calls passes False).
+    (the ``qlens::linear`` op passes False while a CUDA graph is being captured).
     """
     return plan_for(payload, x.device, x_as_is=x_as_is)(x, bias)
 

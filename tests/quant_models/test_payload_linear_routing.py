@@ -119,10 +119,11 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     assert seen == [True, False, False, True]
 
 
-def test_compiled_op_regroups_one_row_and_eager_calls_read_it_as_is(monkeypatch) -> None:
+def test_op_regroups_one_row_under_graph_capture_only(monkeypatch) -> None:
     """``qlens::linear`` (what compiled code calls) takes the plan that regroups a single row
-    before the packed GEMV; eager calls take the one that reads it as it is. Two plans, kept
-    apart on the payload."""
+    before the packed GEMV while a CUDA graph is being captured, and the one that reads it as
+    it is otherwise (as eager calls do). Two plans, kept apart on the payload."""
+    import qlens.kernels.experts as experts
     import qlens.kernels.ops  # noqa: F401 - registers torch.ops.qlens
     from qlens.quant.payload_spec import PayloadSpec
 
@@ -138,9 +139,11 @@ def test_compiled_op_regroups_one_row_and_eager_calls_read_it_as_is(monkeypatch)
     spec = PayloadSpec.of(payload)
     tensors = [payload.tensors()[name] for name in spec.tensor_names]
     x = torch.randn(1, 64)
-    compiled = torch.ops.qlens.linear(x, tensors, spec.key, None)
-    assert torch.equal(compiled, plan.linear(x, payload))
-    assert seen == [False, True]
+    eager = plan.linear(x, payload)
+    assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
+    monkeypatch.setattr(experts, "capturing_cuda_graph", lambda device: True)
+    assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
+    assert seen == [True, True, False]
     regrouped = real(payload, META, x_as_is=False)
     assert regrouped is real(payload, META, x_as_is=False) and regrouped is not real(payload, META)
     assert not regrouped.x_as_is and real(payload, META).x_as_is
