@@ -32,7 +32,7 @@ from qlens.kernels.packed_gemv import dot_k_range
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
 from qlens.kernels.splits import store_tile
-from qlens.kernels.weight_only import byte_dot_tile
+from qlens.kernels.weight_only import byte_dot_k_range
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -103,18 +103,11 @@ def _grouped_experts_kernel(
             HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
         )  # fmt: skip
     else:
-        for k0 in range(0, k_full, BLOCK_K):
-            acc = byte_dot_tile(
-                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
-                K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, INTERPRET,
-            )  # fmt: skip
-        if k_full < K:
-            acc = byte_dot_tile(
-                acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                M, N, K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, INTERPRET,
-            )  # fmt: skip
+        acc = byte_dot_k_range(
+            acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, 0, k_full, K,
+            M, N, K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, INTERPRET,
+        )  # fmt: skip
     store_tile(acc, out_ptr, out_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om, 0, 0, HAS_BIAS,
                1, INTERPRET)  # fmt: skip
 

@@ -74,6 +74,32 @@ def byte_dot_tile(
 
 @triton.jit
 @no_type_check
+def byte_dot_k_range(
+    acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full,
+    k_end, M, N, K, stride_xm, stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``byte_dot_tile`` over ``[k_begin, k_end)``: whole ``BLOCK_K`` steps up to ``k_full``
+    unmasked along K, then the masked rest (the one-byte counterpart of ``dot_k_range``)."""
+    for k0 in range(k_begin, k_full, BLOCK_K):
+        acc = byte_dot_tile(
+            acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
+            stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, INTERPRET,
+        )  # fmt: skip
+    if k_full < k_end:
+        acc = byte_dot_tile(
+            acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M, N,
+            K, stride_xm, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, INTERPRET,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+@no_type_check
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of program ``pid`` in grouped order: ``GROUP_M`` row tiles sweep the
     N tiles together, so the weight tiles they share stay in L2."""
