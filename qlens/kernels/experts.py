@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 # experts (fp8-block, MXFP8, int8) take the grouped GEMM at any row count, as the dense
 # weight-only path runs their few rows on tensor-core tiles (``"splitk"``).
 FUSED_EXPERT_ROWS = 64
+# Prepared launches kept per plan (one per row count, dtype and bias seen, prefill lengths
+# among them); beyond this the table starts afresh.
+_MAX_KEPT_CALLS = 512
 # Schemes whose experts run in one launch per call (contiguous, packed rows in whole words).
 ONE_LAUNCH_SCHEMES = ("int4", "mxfp4", "nvfp4", "fp8-block", "mxfp8", "int8")
 
@@ -161,9 +164,9 @@ class ExpertsPlan:
 
     ``one_launch(rows)``: whether ``rows`` (token, expert) rows run in one launch here (an
     accelerator, a format the kernels read, few rows); ``rows(x, ids, bias)`` runs them, on
-    the launch prepared once per (row count, dtype, bias or none) up to ``FUSED_EXPERT_ROWS``
-    rows (the word-wise GEMV for packed 4-bit words, the grouped GEMM for one-byte experts),
-    else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
+    the launch prepared once per (row count, dtype, bias or none) for contiguous experts (the
+    word-wise GEMV for packed 4-bit words up to ``FUSED_EXPERT_ROWS`` rows, the grouped GEMM
+    beyond and for one-byte experts), else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
     :func:`experts_plan_for`, which keeps it on the payload.
     """
 
@@ -205,7 +208,7 @@ class ExpertsPlan:
         """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]``, ids in range (unchecked)."""
         call = self._calls.get((x.shape[0], x.dtype, bias is None))
         if call is None:
-            if self.stacked is None or not 0 < x.shape[0] <= FUSED_EXPERT_ROWS:
+            if self.stacked is None or x.shape[0] == 0:
                 return experts_linear(x, self.payload, expert_ids, bias, ids_in_range=True)
             call = self._prepare(x.shape[0], x.dtype, bias is None)
         if bias is not None and not bias.is_contiguous():
@@ -220,12 +223,14 @@ class ExpertsPlan:
         assert self.stacked is not None
         w, strides = self.stacked
         call: PackedGemv | GroupedExperts
-        if w.packed:
+        if w.packed and m <= FUSED_EXPERT_ROWS:
             words = word_view(w)
             assert words is not None  # stacked_view takes packed rows of whole words only
             call = PackedGemv(w, words, m, dtype, not no_bias, self._config, strides)
-        else:  # one byte an element
+        else:  # one byte an element, or prefill rows: the grouped GEMM
             call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
+        if len(self._calls) >= _MAX_KEPT_CALLS:
+            self._calls.clear()
         self._calls[m, dtype, no_bias] = call
         return call
 
@@ -281,14 +286,11 @@ def experts_linear(
             raise ValueError(f"expert_ids must lie in [0, {experts}), got range [{low}, {high}]")
     plan = experts_plan_for(payload, x.device) if x.shape[0] and not w8a8 else None
     if plan is not None and plan.stacked is not None:
-        if x.shape[0] <= FUSED_EXPERT_ROWS:
-            return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
-        from qlens.kernels.grouped_experts import grouped_experts_linear  # Triton, on first use
+        if x.shape[0] > FUSED_EXPERT_ROWS:
+            from qlens.kernels.grouped_experts import check_grouped_inputs  # Triton, first use
 
-        w, strides = plan.stacked
-        b = None if bias is None else bias.contiguous()
-        rows = expert_rows(strides, expert_ids)
-        return grouped_experts_linear(x.contiguous(), w, rows, experts, b)
+            check_grouped_inputs(x, plan.stacked[0], experts, bias)
+        return plan.rows(x.contiguous(), expert_ids.contiguous(), bias)
     require_no_graph_capture(payload, x.device, w8a8)
     out = x.new_empty((x.shape[0], n))
     views = expert_views(payload)
