@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 PARTS = ("gate", "up", "down")
 FLOAT_TYPES = {0, 1, 30}  # GGML F32, F16, BF16: float in the file already
+# The config fields holding the expert count and width, named when shapes disagree.
+MOE_SIZE_NAMES = ("num_experts", "moe_intermediate_size")
 
 
 def expert_tensor_base(name: str) -> str | None:
@@ -52,10 +54,12 @@ def place_experts(
     dtype: torch.dtype,
     file_name: str,
     file_width: int | None = None,
+    size_names: tuple[str, str] = MOE_SIZE_NAMES,
 ) -> None:
     """Put one layer's expert tensors (gguf-py ``ReaderTensor``s) at ``module_name``: a
     ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed.
-    ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree."""
+    ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree;
+    ``size_names``: the config's expert count and width fields, named then too."""
     from qlens.quant.codecs.gguf import GGML_TYPES
 
     by_part = {_layer_and_part(t.name)[1]: t for t in tensors}
@@ -64,7 +68,7 @@ def place_experts(
         layer, _ = _layer_and_part(tensors[0].name)
         names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
         raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
-    _check_shapes(model, module_name, by_part, file_name, file_width)
+    _check_shapes(model, module_name, by_part, file_name, file_width, size_names)
     types = {part: int(t.tensor_type) for part, t in by_part.items()}
     if types["gate"] == types["up"] and all(t in GGML_TYPES for t in types.values()):
         model.set_submodule(module_name, _packed_experts(by_part, types, activation))
@@ -87,6 +91,7 @@ def _check_shapes(
     by_part: dict[str, Any],
     file_name: str,
     file_width: int | None,
+    size_names: tuple[str, str],
 ) -> None:
     """Raise naming the first expert tensor whose shape the model's experts module does not take."""
     gate_up_shape = model.get_submodule(module_name).get_parameter("gate_up_proj").shape
@@ -105,7 +110,7 @@ def _check_shapes(
         if file_width is not None and file_width != intermediate:
             why = (
                 f"the file's expert_feed_forward_length is {file_width}, but transformers' GGUF "
-                f"config reader does not read it and keeps moe_intermediate_size={intermediate} "
+                f"config reader does not read it and keeps {size_names[1]}={intermediate} "
                 "(the config class's default), so neither qlens nor transformers can load this file"
             )
         else:
@@ -113,7 +118,7 @@ def _check_shapes(
         raise ValueError(
             f"{file_name}: {tensor.name} has shape {list(shape)} [experts, out, in], but the model "
             f"built from the file's config expects {list(expected[part])} at {module_name} "
-            f"(num_experts={num_experts}, moe_intermediate_size={intermediate}, "
+            f"({size_names[0]}={num_experts}, {size_names[1]}={intermediate}, "
             f"hidden_size={hidden}): {why}"
         )
 

@@ -1,9 +1,9 @@
 """Load a ``.gguf`` file with its quantized weights kept as GGUF blocks in qlens modules.
 
-Llama-architecture files (Llama, SmolLM, Mistral...), Qwen2-MoE / Qwen3-MoE files and
-architectures transformers reads without a special tensor processor (Qwen2, Qwen3...) are read
-by qlens: the model is built on the meta device, transformers' GGUF-to-HF name map places each
-tensor, every quantized linear of a type qlens decodes becomes a ``QuantLinear`` over a GGUF
+Llama-architecture files (Llama, SmolLM, Mistral...; Mixtral, written as ``llama`` with experts,
+``qlens.gguf_mixtral``), Qwen2-MoE / Qwen3-MoE files and architectures transformers reads
+without a special tensor processor (Qwen2, Qwen3...) are read by qlens: the model is built on
+the meta device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a type qlens decodes becomes a ``QuantLinear`` over a GGUF
 payload (Llama's q/k rows put back in HF order exactly as transformers does: GGUF blocks run
 along K, so permuting rows moves whole rows of blocks), each MoE layer's stacked experts a
 ``QuantExperts`` (``qlens.gguf_experts``), and the rest (embeddings, norms, routers, types qlens
@@ -160,18 +160,31 @@ def _load_with_qlens_reader(
         get_gguf_hf_weights_map,
     )
 
-    from qlens.gguf_experts import expert_tensor_base, place_experts
+    from qlens.gguf_experts import MOE_SIZE_NAMES, expert_tensor_base, place_experts
+    from qlens.gguf_mixtral import (
+        MIXTRAL_SIZE_NAMES,
+        is_mixtral_file,
+        mixtral_config,
+        mixtral_tensor_names,
+    )
     from qlens.load_checks import key_list
     from qlens.modules import QuantLinear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
     from qlens.quant.codecs.gguf import GGML_TYPES
     from qlens.quantize_on_load import put_tensor
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    mixtral = is_mixtral_file(reader)
+    if mixtral:
+        config = mixtral_config(path, reader)
+    else:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    if mixtral:
+        names = mixtral_tensor_names(model, processor)
+    else:
+        names = get_gguf_hf_weights_map(model, processor)
     shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
     expected = set(shapes)
     loaded: set[str] = set()
@@ -206,11 +219,14 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
-    file_width = _int_field(reader, f"{architecture}.expert_feed_forward_length")
+    # Qwen-MoE's expert width, which transformers' config reader ignores (Mixtral's experts are
+    # feed_forward_length wide, which it reads).
+    file_width = None if mixtral else _int_field(reader, f"{architecture}.expert_feed_forward_length")
+    size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(
             model, module_name, tensors, activation=str(config.hidden_act), dtype=dtype,
-            file_name=path.name, file_width=file_width,
+            file_name=path.name, file_width=file_width, size_names=size_names,
         )  # fmt: skip
         loaded.update(f"{module_name}.{leaf}" for leaf in ("gate_up_proj", "down_proj"))
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
@@ -233,7 +249,7 @@ def _require_shape(
         raise ValueError(
             f"{path.name}: {tensor_name} holds a {list(shape)} weight, but {key} of the model "
             f"built from the file's config is {list(expected)}; the file does not match the "
-            "config transformers reads from its metadata"
+            "config read from its metadata"
         )
 
 
@@ -243,11 +259,16 @@ def _experts_key(
     """The fused experts parameter transformers' name map gives a stacked expert tensor."""
     key = names.get(base)
     if key is None:
+        why = (
+            " (a Mixtral file says how many experts it has in llama.expert_count, which this "
+            "file lacks or sets to 0)"
+            if architecture == "llama"
+            else ""
+        )
         raise ValueError(
             f"{path.name} holds stacked expert tensors ({tensor_name}), but the {architecture!r} "
-            "model transformers builds from its metadata has no experts module for them (a "
-            "Mixtral file, written as 'llama', reads as a dense Llama); neither qlens nor "
-            "transformers can load it. Convert the original checkpoint instead."
+            f"model built from its metadata has no experts module for them{why}; qlens cannot "
+            "load it. Convert the original checkpoint again."
         )
     return key
 

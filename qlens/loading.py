@@ -160,7 +160,12 @@ def _load_gguf(path: Path, request: _Request, kwargs: dict[str, Any]) -> Any:
             f"{str(path)!r} is a GGUF file, which qlens loads with dtype=, device= and "
             f"dequantize= only; {', '.join(given)} cannot be applied to it."
         )
+    from qlens.gguf_loading import load_gguf_packed
+    from qlens.gguf_mixtral import is_mixtral_gguf
+
     dtype = _as_dtype(request.dtype if request.dtype not in (None, "auto") else torch.float32)
+    if request.dequantize and is_mixtral_gguf(path):  # transformers reads it as a dense Llama
+        return dequantized_model(load_gguf_packed(path, dtype=dtype, device=request.device), dtype)
     if request.dequantize:
         from transformers import GgufConfig
 
@@ -173,8 +178,6 @@ def _load_gguf(path: Path, request: _Request, kwargs: dict[str, Any]) -> Any:
             local_files_only=True,
         )
         return dequantized_model(model, dtype)
-    from qlens.gguf_loading import load_gguf_packed
-
     return load_gguf_packed(path, dtype=dtype, device=request.device)
 
 

@@ -1,4 +1,6 @@
-"""Tiny random Llama models written as GGUF files by gguf-py, the way llama.cpp's converter does."""
+"""Tiny random Llama and Mixtral models written as GGUF files by gguf-py, the way llama.cpp's
+converter does (Mixtral as architecture ``llama`` with stacked ``blk.N.ffn_{gate,up,down}_exps``
+experts and a float ``ffn_gate_inp`` router)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 # Types gguf-py's quantize() writes (it has no quantizer for the K-quants).
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
@@ -23,15 +32,13 @@ K_QUANT_F16_OFFSETS = {
     "Q6_K": (208,),
 }
 
-_LLAMA_LINEARS = {
+_ATTENTION_LINEARS = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
+_MLP_LINEARS = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
@@ -50,6 +57,26 @@ def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def make_gguf_mixtral(seed: int = 0, experts: int = 4, top_k: int = 2) -> MixtralForCausalLM:
+    """A random Mixtral of ``make_gguf_llama``'s sizes; each expert 512 wide (two K-quant blocks)."""
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    return MixtralForCausalLM(config).eval()
 
 
 def transformers_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -81,6 +108,16 @@ def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's q/k row order back from llama.cpp's (the inverse of ``permute_rows``)."""
+    shape = weights.shape
+    return (
+        weights.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
+
+
 def random_k_quant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Valid random blocks of a K-quant: random codes and sub-scales, small finite fp16 scales."""
     qtype = GGMLQuantizationType[type_name]
@@ -106,27 +143,74 @@ def encode_weight(
     return quantize(weights, qtype), qtype
 
 
+def encode_stacked(
+    weight: torch.Tensor, type_name: str, seed: int
+) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """Expert weights ``[experts, out, in]`` encoded as ``type_name``; K-quant blocks are random
+    (gguf-py has no K-quant quantizer), with their own seed per expert."""
+    values = weight.float().numpy()
+    if type_name not in K_QUANT_F16_OFFSETS:
+        return encode_weight("", values, type_name, seed)
+    encoded = [encode_weight("", v, type_name, 1000 * seed + e)[0] for e, v in enumerate(values)]
+    return np.stack(encoded), GGMLQuantizationType[type_name]
+
+
+def add_stacked_experts(
+    writer: GGUFWriter,
+    layer: int,
+    experts: torch.nn.Module,
+    type_of: Callable[[str], str],
+    *,
+    experts_written: int | None = None,
+    omit: tuple[str, ...] = (),
+) -> None:
+    """Write a fused experts module (``gate_up_proj`` gate rows above up rows, ``down_proj``) as
+    llama.cpp's three stacked tensors of layer ``layer``; ``experts_written`` keeps only that many
+    experts, ``omit`` leaves out the tensors of those GGUF names."""
+    kept = slice(0, experts_written)
+    gate, up = experts.gate_up_proj.detach()[kept].chunk(2, dim=1)
+    down = experts.down_proj.detach()[kept]
+    for seed, (part, weight) in enumerate((("gate", gate), ("up", up), ("down", down))):
+        name = f"blk.{layer}.ffn_{part}_exps.weight"
+        if name not in omit:
+            data, qtype = encode_stacked(weight, type_of(name), 10 * layer + seed)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+
+
 def write_gguf_llama(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     path: Path,
     type_of: Callable[[str], str],
     extra: dict[str, np.ndarray] | None = None,
+    *,
+    expert_count: int | None = None,
+    experts_written: int | None = None,
+    omit: tuple[str, ...] = (),
 ) -> Path:
-    """Write ``model`` to ``path``; ``type_of(gguf_tensor_name)`` names each linear's GGML type,
-    ``extra`` holds more float32 tensors to write by GGUF name."""
+    """Write a Llama or Mixtral ``model`` to ``path`` as llama.cpp does (architecture ``llama``);
+    ``type_of(gguf_tensor_name)`` names each linear's GGML type, ``extra`` holds more float32
+    tensors to write by GGUF name. Broken Mixtral files: ``expert_count`` writes that count in the
+    metadata instead of the model's, ``experts_written`` keeps only that many experts, ``omit``
+    leaves out the tensors of those GGUF names."""
     config = model.config
     writer = gguf_writer(path, "llama", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    moe = isinstance(config, MixtralConfig)
+    if moe:
+        writer.add_expert_count(expert_count or config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
 
     def add(name: str, tensor: torch.Tensor, type_name: str, seed: int = 0) -> None:
-        data, qtype = encode_weight(name, tensor.detach().float().numpy(), type_name, seed)
-        writer.add_tensor(name, data, raw_dtype=qtype)
+        if name not in omit:
+            data, qtype = encode_weight(name, tensor.detach().float().numpy(), type_name, seed)
+            writer.add_tensor(name, data, raw_dtype=qtype)
 
+    linears = _ATTENTION_LINEARS if moe else _ATTENTION_LINEARS | _MLP_LINEARS
     add("token_embd.weight", model.model.embed_tokens.weight, "F32")
     for index, layer in enumerate(model.model.layers):
         add(f"blk.{index}.attn_norm.weight", layer.input_layernorm.weight, "F32")
         add(f"blk.{index}.ffn_norm.weight", layer.post_attention_layernorm.weight, "F32")
-        for seed, (hf_name, gguf_name) in enumerate(_LLAMA_LINEARS.items()):
+        for seed, (hf_name, gguf_name) in enumerate(linears.items()):
             weight = layer.get_submodule(hf_name).weight.detach()
             if gguf_name == "attn_q":
                 weight = torch.from_numpy(permute_rows(weight.numpy(), config.num_attention_heads))
@@ -134,6 +218,12 @@ def write_gguf_llama(
                 weight = torch.from_numpy(permute_rows(weight.numpy(), config.num_key_value_heads))
             name = f"blk.{index}.{gguf_name}.weight"
             add(name, weight, type_of(name), seed=100 * index + seed)
+        if moe:
+            add(f"blk.{index}.ffn_gate_inp.weight", layer.mlp.gate.weight, "F32")
+            add_stacked_experts(
+                writer, index, layer.mlp.experts, type_of,
+                experts_written=experts_written, omit=omit,
+            )  # fmt: skip
     add("output_norm.weight", model.model.norm.weight, "F16")
     add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
     for name, values in (extra or {}).items():

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf_files import K_QUANT_F16_OFFSETS, encode_weight, gguf_writer, write_out
+from gguf_files import add_stacked_experts, encode_weight, gguf_writer, write_out
 from transformers import (
     PreTrainedModel,
     Qwen2MoeConfig,
@@ -116,16 +115,9 @@ def write_gguf_moe(
             add(f"{blk}.attn_k_norm.weight", layer.self_attn.k_norm.weight, "F32")
         mlp = layer.mlp
         add(f"{blk}.ffn_gate_inp.weight", mlp.gate.weight, "F32")
-        kept = slice(0, experts_written)
-        gate, up = mlp.experts.gate_up_proj.detach()[kept].chunk(2, dim=1)
-        for seed, (part, weight) in enumerate(
-            (("gate", gate), ("up", up), ("down", mlp.experts.down_proj.detach()[kept]))
-        ):
-            name = f"{blk}.ffn_{part}_exps.weight"
-            if name in omit:
-                continue
-            data, qtype = _stacked(weight, type_of(name), 10 * index + seed)
-            writer.add_tensor(name, data, raw_dtype=qtype)
+        add_stacked_experts(
+            writer, index, mlp.experts, type_of, experts_written=experts_written, omit=omit
+        )
         if arch == "qwen2moe":
             for seed, (hf_name, gguf_name) in enumerate(_SHARED.items()):
                 weight = mlp.shared_expert.get_submodule(hf_name).weight
@@ -135,14 +127,3 @@ def write_gguf_moe(
     linear("output.weight", model.lm_head.weight, 999)
     return write_out(writer, path)
 
-
-def _stacked(
-    weight: torch.Tensor, type_name: str, seed: int
-) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """Expert weights ``[experts, out, in]`` encoded as ``type_name``; K-quant blocks are random
-    (gguf-py has no K-quant quantizer), with their own seed per expert."""
-    values = weight.float().numpy()
-    if type_name not in K_QUANT_F16_OFFSETS:
-        return encode_weight("", values, type_name, seed)
-    encoded = [encode_weight("", v, type_name, 1000 * seed + e)[0] for e, v in enumerate(values)]
-    return np.stack(encoded), GGMLQuantizationType[type_name]
