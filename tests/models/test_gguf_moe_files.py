@@ -308,8 +308,12 @@ def test_linears_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, 
         _qlens_model(path)
 
 
-def test_llama_file_with_stacked_experts_is_refused(tmp_path):
+def test_llama_file_with_stacked_experts_but_no_expert_count_is_refused(tmp_path):
     experts = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 512, 256), dtype=np.float32)}
     path = write_gguf_llama(make_gguf_llama(), tmp_path / "mixtral.gguf", lambda _: "Q8_0", experts)
-    with pytest.raises(ValueError, match=r"holds stacked expert tensors \(blk\.0\.ffn_gate_exps"):
+    with pytest.raises(
+        ValueError, match=r"mixtral\.gguf holds stacked expert tensors \(blk\.0\.ffn_gate_exps"
+        r"\.weight\), but the 'llama' model built from its metadata has no experts module for "
+        r"them \(a Mixtral file says how many experts it has in llama\.expert_count",
+    ):  # fmt: skip
         qlens.load(path, tokenizer=make_tiny_tokenizer())
