@@ -219,9 +219,10 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
-    # Qwen-MoE's expert width, which transformers' config reader ignores (Mixtral's experts are
-    # feed_forward_length wide, which it reads).
-    file_width = None if mixtral else _int_field(reader, f"{architecture}.expert_feed_forward_length")
+    # Qwen-MoE files' expert width, which transformers' config reader ignores; Mixtral's experts
+    # are feed_forward_length wide, which the config holds.
+    width_key = f"{architecture}.expert_feed_forward_length"
+    file_width = None if mixtral else _int_field(reader, width_key)
     size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(

@@ -126,4 +126,3 @@ def write_gguf_moe(
     add("output_norm.weight", model.model.norm.weight, "F32")
     linear("output.weight", model.lm_head.weight, 999)
     return write_out(writer, path)
-

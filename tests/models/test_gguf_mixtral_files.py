@@ -34,6 +34,7 @@ N_LAYERS, N_HEADS, N_KV_HEADS, N_EXPERTS = 2, 4, 2, 4
 MIXED = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q8_0"}
 KINDS = ("Q8_0", "Q4_0", "Q4_K", "mixed")
 TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
+ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
 
 def _type_of(kind: str):
@@ -57,18 +58,16 @@ def bridges(files) -> dict[str, qlens.Bridge]:
 def float_mixtral(path: Path, config: MixtralConfig) -> MixtralForCausalLM:
     """A float Mixtral of ``config`` holding gguf-py's values of the file at ``path``, placed by
     hand: q/k rows back in HF order, each layer's gate rows above its up rows."""
-    values = {
-        k: torch.from_numpy(np.array(v)) for k, v in gguf_py_values(gguf.GGUFReader(str(path))).items()
-    }
+    file_values = gguf_py_values(gguf.GGUFReader(str(path)))
+    values = {name: torch.from_numpy(np.array(v)) for name, v in file_values.items()}
     state = {
         "model.embed_tokens.weight": values["token_embd.weight"],
         "model.norm.weight": values["output_norm.weight"],
         "lm_head.weight": values["output.weight"],
     }
-    attention = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     for i in range(config.num_hidden_layers):
         layer, blk = f"model.layers.{i}", f"blk.{i}"
-        for hf_name, gguf_name in attention.items():
+        for hf_name, gguf_name in ATTENTION.items():
             state[f"{layer}.self_attn.{hf_name}.weight"] = values[f"{blk}.{gguf_name}.weight"]
         for name, heads in (("q_proj", N_HEADS), ("k_proj", N_KV_HEADS)):
             key = f"{layer}.self_attn.{name}.weight"
@@ -131,12 +130,12 @@ def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, bridges, 
         # attention stays packed, q/k rows in HF order; the router is float, as in the file
         attn = layer.self_attn
         assert all(isinstance(attn.get_submodule(n), QuantLinear) for n in ("v_proj", "o_proj"))
-        for name, heads, gguf_name in (("q_proj", N_HEADS, "attn_q"), ("k_proj", N_KV_HEADS, "attn_k")):
+        for name, heads in (("q_proj", N_HEADS), ("k_proj", N_KV_HEADS)):
             rows = permute_rows(qlens.dequantize(attn.get_submodule(name)).numpy(), heads)
-            np.testing.assert_array_equal(rows, expected[f"{blk}.{gguf_name}.weight"])
-        router = layer.mlp.gate.weight
+            np.testing.assert_array_equal(rows, expected[f"{blk}.{ATTENTION[name]}.weight"])
+        router = layer.mlp.gate.weight.detach()
         assert router.dtype == torch.float32
-        np.testing.assert_array_equal(router.detach().numpy(), expected[f"{blk}.ffn_gate_inp.weight"])
+        np.testing.assert_array_equal(router.numpy(), expected[f"{blk}.ffn_gate_inp.weight"])
     formats = sorted({f"gguf_{t.lower()}" for t in types.values() if t not in ("F32", "F16")})
     assert audit_weights(model).formats == formats
 
@@ -181,8 +180,8 @@ def test_hooks_fire_on_router_and_experts(files, bridges):
     assert router_weights.shape == (1, TOKENS.shape[1], N_EXPERTS)
     assert torch.equal(router_weights.reshape(dense.shape) != 0, dense != 0)  # same experts
     torch.testing.assert_close(router_weights.reshape(dense.shape), dense, rtol=0, atol=1e-6)
-    scale = seen["mlp"].abs().max().item()
-    torch.testing.assert_close(cache["blocks.1.hook_mlp_out"], seen["mlp"], rtol=0, atol=1e-5 * scale)
+    mlp_out, scale = cache["blocks.1.hook_mlp_out"], seen["mlp"].abs().max().item()
+    torch.testing.assert_close(mlp_out, seen["mlp"], rtol=0, atol=1e-5 * scale)
     # a hook on the router weights reaches the packed experts: zeroed weights, zero output
     zeroed = [("blocks.1.mlp.hook_router_weights", lambda weights, hook: weights * 0)]
     with torch.no_grad(), bridge.hooks(fwd_hooks=zeroed):
