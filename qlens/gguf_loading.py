@@ -86,8 +86,15 @@ def load_gguf_packed(
     """The causal LM in the GGUF file ``path``, quantized linears kept as GGUF payloads."""
     from gguf import GGUFReader
 
+    from qlens.gguf_metadata import text_field
+
     reader = GGUFReader(str(path))
-    architecture = _field(reader, "general.architecture")
+    architecture = text_field(reader, "general.architecture")
+    if architecture is None:
+        raise ValueError(
+            f"{path.name} has no general.architecture in its metadata, so it names no model; "
+            "qlens loads GGUF files of models (as llama.cpp's converter writes them)"
+        )
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
@@ -112,16 +119,6 @@ _REPRODUCED_PROCESSORS = {
     "qwen2moe": "Qwen2MoeTensorProcessor",
     "qwen3moe": "Qwen2MoeTensorProcessor",
 }
-
-
-def _field(reader: Any, key: str) -> str:
-    field = reader.fields[key]
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def _int_field(reader: Any, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
 
 
 def _load_with_transformers(path: Path, dtype: torch.dtype) -> nn.Module:
@@ -161,6 +158,7 @@ def _load_with_qlens_reader(
     )
 
     from qlens.gguf_experts import MOE_SIZE_NAMES, expert_tensor_base, place_experts
+    from qlens.gguf_metadata import int_field
     from qlens.gguf_mixtral import (
         MIXTRAL_SIZE_NAMES,
         is_mixtral_file,
@@ -222,7 +220,7 @@ def _load_with_qlens_reader(
     # Qwen-MoE files' expert width, which transformers' config reader ignores; Mixtral's experts
     # are feed_forward_length wide, which the config holds.
     width_key = f"{architecture}.expert_feed_forward_length"
-    file_width = None if mixtral else _int_field(reader, width_key)
+    file_width = None if mixtral else int_field(reader, width_key)
     size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from qlens.gguf_metadata import int_field, text_field
+
 EXPERT_COUNT, EXPERT_USED_COUNT = "llama.expert_count", "llama.expert_used_count"
 # MixtralConfig's expert count and width (llama.expert_count, llama.feed_forward_length).
 MIXTRAL_SIZE_NAMES = ("num_local_experts", "intermediate_size")
@@ -21,19 +23,11 @@ _PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 _GATE_UP = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.gate_up_proj")
 
 
-def _uint_field(reader: Any, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
-
-
 def is_mixtral_file(reader: Any) -> bool:
     """Whether the file ``reader`` (a gguf-py ``GGUFReader``) reads is a Mixtral: architecture
     ``llama`` with experts."""
-    architecture = reader.fields.get("general.architecture")
-    if architecture is None:
-        return False
-    name = bytes(architecture.parts[architecture.data[0]]).decode("utf-8")
-    return name == "llama" and (_uint_field(reader, EXPERT_COUNT) or 0) > 0
+    architecture = text_field(reader, "general.architecture")
+    return architecture == "llama" and (int_field(reader, EXPERT_COUNT) or 0) > 0
 
 
 def is_mixtral_gguf(path: Path) -> bool:
@@ -55,8 +49,8 @@ def mixtral_config(path: Path, reader: Any) -> Any:
             "wrote Mixtral files before stacking them into blk.N.ffn_*_exps; qlens reads stacked "
             "experts only. Convert the original checkpoint again with a current llama.cpp."
         )
-    experts = _uint_field(reader, EXPERT_COUNT)
-    used = _uint_field(reader, EXPERT_USED_COUNT)
+    experts = int_field(reader, EXPERT_COUNT)
+    used = int_field(reader, EXPERT_USED_COUNT)
     if used is None or experts is None or not 0 < used <= experts:
         raise ValueError(
             f"{path.name} is a Mixtral file ({EXPERT_COUNT}={experts}) whose {EXPERT_USED_COUNT} "

@@ -21,6 +21,7 @@ from gguf_files import (  # noqa: E402
     unpermute_rows,
     write_gguf_llama,
 )
+from gguf_moe_files import moe_type_of  # noqa: E402
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
@@ -30,24 +31,17 @@ from qlens.report.audit import audit_weights  # noqa: E402
 from qlens.weights import W_gate, W_in, W_out  # noqa: E402
 
 N_LAYERS, N_HEADS, N_KV_HEADS, N_EXPERTS = 2, 4, 2, 4
-# llama.cpp's Q4_K_M-like mix: Q4_K, with the experts' down and attn_v in Q6_K, output in Q8_0.
-MIXED = {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q8_0"}
+# One type everywhere, or llama.cpp's Q4_K_M-like mix (gguf_moe_files.MIXED).
 KINDS = ("Q8_0", "Q4_0", "Q4_K", "mixed")
 TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
 ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
-
-
-def _type_of(kind: str):
-    if kind == "mixed":
-        return lambda name: MIXED.get(name.split(".")[-2], "Q4_K")
-    return lambda _: kind
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf_mixtral")
     model = make_gguf_mixtral()
-    return {k: write_gguf_llama(model, folder / f"tiny-{k}.gguf", _type_of(k)) for k in KINDS}
+    return {k: write_gguf_llama(model, folder / f"tiny-{k}.gguf", moe_type_of(k)) for k in KINDS}
 
 
 @pytest.fixture(scope="module")

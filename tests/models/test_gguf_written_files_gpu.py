@@ -1,4 +1,4 @@
-"""GGUF files written by gguf-py (dense Llamas and Qwen3-MoE), loaded onto a CUDA GPU: the same
+"""GGUF files written by gguf-py (dense Llamas, Qwen3-MoE and Mixtral), loaded onto a CUDA GPU: the same
 weights and logits as on the CPU (skipped without CUDA)."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import torch
 
 pytest.importorskip("gguf")
 
-from gguf_files import K_QUANT_F16_OFFSETS, QUANTIZABLE, make_gguf_llama, write_gguf_llama  # noqa: E402
+from gguf_files import (  # noqa: E402
+    K_QUANT_F16_OFFSETS,
+    QUANTIZABLE,
+    make_gguf_llama,
+    make_gguf_mixtral,
+    write_gguf_llama,
+)
 from gguf_moe_files import N_LAYERS, make_gguf_moe, moe_type_of, write_gguf_moe  # noqa: E402
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 
@@ -44,10 +50,17 @@ def test_gguf_file_on_cuda_matches_the_cpu_load(tmp_path: Path, kind: str):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "mixed"])
-def test_moe_gguf_file_on_cuda_matches_the_cpu_load(tmp_path: Path, kind: str):
-    path = tmp_path / f"tiny-qwen3moe-{kind}.gguf"
-    write_gguf_moe(make_gguf_moe("qwen3moe"), path, "qwen3moe", moe_type_of(kind))
+MOE_CASES = [("qwen3moe", k) for k in ("Q8_0", "Q4_0", "mixed")]
+MOE_CASES += [("mixtral", k) for k in ("Q8_0", "Q4_K", "mixed")]
+
+
+@pytest.mark.parametrize(("arch", "kind"), MOE_CASES, ids=[f"{a}-{k}" for a, k in MOE_CASES])
+def test_moe_gguf_file_on_cuda_matches_the_cpu_load(tmp_path: Path, arch: str, kind: str):
+    path = tmp_path / f"tiny-{arch}-{kind}.gguf"
+    if arch == "mixtral":  # written as llama.cpp writes Mixtral: architecture llama, experts
+        write_gguf_llama(make_gguf_mixtral(), path, moe_type_of(kind))
+    else:
+        write_gguf_moe(make_gguf_moe(arch), path, arch, moe_type_of(kind))
     cpu = qlens.load(path, tokenizer=make_tiny_tokenizer())
     gpu = qlens.load(path, device="cuda", tokenizer=make_tiny_tokenizer())
     experts = [(n, m) for n, m in gpu.model.named_modules() if isinstance(m, QuantExperts)]
