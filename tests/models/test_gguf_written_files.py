@@ -20,6 +20,7 @@ from gguf_files import (  # noqa: E402
     permute_rows,
     transformers_gguf_model,
     write_gguf_llama,
+    write_out,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 
@@ -142,3 +143,13 @@ def test_types_without_a_qlens_codec_load_as_gguf_py_floats(tmp_path, kind):
     expected = gguf_py_values(gguf.GGUFReader(str(path)))
     down = bridge.model.model.layers[1].mlp.down_proj.weight.detach().numpy()
     np.testing.assert_array_equal(down, expected["blk.1.ffn_down.weight"])
+
+
+def test_file_without_an_architecture_is_refused(tmp_path):
+    path = tmp_path / "nameless.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    del writer.kv_data[0]["general.architecture"]
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    write_out(writer, path)
+    with pytest.raises(ValueError, match=r"nameless\.gguf has no general\.architecture in its"):
+        qlens.load(path, tokenizer=make_tiny_tokenizer())
