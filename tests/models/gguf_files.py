@@ -41,41 +41,31 @@ _ATTENTION_LINEARS = {
 _MLP_LINEARS = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+# Every linear's input width a multiple of 256 (one K-quant block).
+_SIZES = dict(
+    vocab_size=64,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
 def make_gguf_llama(seed: int = 0) -> LlamaForCausalLM:
     """A random Llama whose linears' input widths are multiples of 256 (one K-quant block)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**_SIZES)).eval()
 
 
 def make_gguf_mixtral(seed: int = 0, experts: int = 4, top_k: int = 2) -> MixtralForCausalLM:
     """A random Mixtral of ``make_gguf_llama``'s sizes; each expert 512 wide (two K-quant blocks)."""
     torch.manual_seed(seed)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
+    config = MixtralConfig(**_SIZES, num_local_experts=experts, num_experts_per_tok=top_k)
     return MixtralForCausalLM(config).eval()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+import qlens
+from qlens.modules import QuantExperts
 
 MOE_ARCHS = ("qwen3moe", "qwen2moe")
 NUM_EXPERTS, TOP_K, HIDDEN, N_LAYERS, N_HEADS, N_KV_HEADS = 4, 2, 256, 2, 4, 2
@@ -126,3 +130,71 @@ def write_gguf_moe(
     add("output_norm.weight", model.model.norm.weight, "F32")
     linear("output.weight", model.lm_head.weight, 999)
     return write_out(writer, path)
+
+
+def assert_experts_are_the_files_blocks(
+    experts: torch.nn.Module,
+    layer: int,
+    types: dict[str, str],
+    expected: dict[str, np.ndarray],
+    num_experts: int = NUM_EXPERTS,
+) -> None:
+    """``experts`` (layer ``layer``) is a ``QuantExperts`` over the file's GGUF blocks, stacked
+    gate above up, that ``qlens.dequantize`` decodes to exactly gguf-py's values; ``types``: the
+    file's GGML type names, ``expected``: gguf-py's values (``gguf_py_values``), by GGUF name."""
+    blk = f"blk.{layer}"
+    assert isinstance(experts, QuantExperts)
+    assert (experts.num_experts, experts.gate.layout) == (num_experts, "stacked")
+    for name, payload in experts.payload.items():
+        part = "gate" if name == "gate_up_proj" else "down"
+        file_type = types[f"{blk}.ffn_{part}_exps.weight"]
+        assert payload.format.name == f"gguf_{file_type.lower()}", name
+        assert payload.data.dtype == torch.uint8, name
+    values = qlens.dequantize(experts)
+    gate, up = values["gate_up_proj"].chunk(2, dim=1)
+    np.testing.assert_array_equal(gate.numpy(), expected[f"{blk}.ffn_gate_exps.weight"])
+    np.testing.assert_array_equal(up.numpy(), expected[f"{blk}.ffn_up_exps.weight"])
+    down = values["down_proj"].numpy()
+    np.testing.assert_array_equal(down, expected[f"{blk}.ffn_down_exps.weight"])
+
+
+def assert_expert_reads_are_guarded(
+    bridge: object, reference: torch.nn.Module, format_name: str, expert: int
+) -> None:
+    """Layer 0's ``W_gate`` / ``W_in`` / ``W_out`` of ``bridge`` (packed GGUF experts of
+    ``format_name``) are refused, and read inside ``bridge.dequantized()`` the float
+    ``reference`` experts module's weights exactly (``W_out`` of one ``expert``)."""
+    import pytest
+
+    from qlens.weights import W_gate, W_in, W_out
+
+    for read in (W_in, W_gate, W_out):
+        with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
+            read(bridge, 0)
+        assert format_name in str(error.value)
+    with bridge.dequantized():  # type: ignore[attr-defined]
+        w_gate, w_in, w_out = W_gate(bridge, 0), W_in(bridge, 0), W_out(bridge, 0, expert=expert)
+    gate, up = reference.gate_up_proj.chunk(2, dim=1)
+    assert torch.equal(w_gate, gate.transpose(-1, -2))  # [experts, d_model, d_mlp]
+    assert torch.equal(w_in, up.transpose(-1, -2))
+    assert torch.equal(w_out, reference.down_proj[expert].T)  # [d_mlp, d_model]
+    with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
+        W_in(bridge, 0)  # refused again once the context has exited
+
+
+def moe_block_outputs(model: torch.nn.Module, layer: int, tokens: torch.Tensor) -> dict[str, Any]:
+    """What the MoE block of layer ``layer`` of the HF ``model`` returns on ``tokens``
+    (``"mlp"``) and what its router returns (``"router"``: logits, weights, indices)."""
+    seen: dict[str, Any] = {}
+    mlp = model.model.layers[layer].mlp  # type: ignore[union-attr, index]
+    handles = [
+        mlp.register_forward_hook(lambda _m, _i, out: seen.update(mlp=out)),
+        mlp.gate.register_forward_hook(lambda _m, _i, out: seen.update(router=out)),
+    ]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen

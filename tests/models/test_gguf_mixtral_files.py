@@ -21,14 +21,18 @@ from gguf_files import (  # noqa: E402
     unpermute_rows,
     write_gguf_llama,
 )
-from gguf_moe_files import moe_type_of  # noqa: E402
+from gguf_moe_files import (  # noqa: E402
+    assert_expert_reads_are_guarded,
+    assert_experts_are_the_files_blocks,
+    moe_block_outputs,
+    moe_type_of,
+)
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
-from qlens.weights import W_gate, W_in, W_out  # noqa: E402
 
 N_LAYERS, N_HEADS, N_KV_HEADS, N_EXPERTS = 2, 4, 2, 4
 # One type everywhere, or llama.cpp's Q4_K_M-like mix (gguf_moe_files.MIXED).
@@ -107,20 +111,7 @@ def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, bridges, 
     assert not [n for n, p in model.named_parameters() if p.ndim == 3]  # no float experts
     for index, layer in enumerate(model.model.layers):
         blk = f"blk.{index}"
-        experts = layer.mlp.experts
-        assert isinstance(experts, QuantExperts)
-        assert (experts.num_experts, experts.gate.layout) == (N_EXPERTS, "stacked")
-        for name, payload in experts.payload.items():
-            part = "gate" if name == "gate_up_proj" else "down"
-            file_type = types[f"{blk}.ffn_{part}_exps.weight"]
-            assert payload.format.name == f"gguf_{file_type.lower()}", name
-            assert payload.data.dtype == torch.uint8, name
-        values = qlens.dequantize(experts)
-        gate, up = values["gate_up_proj"].chunk(2, dim=1)
-        np.testing.assert_array_equal(gate.numpy(), expected[f"{blk}.ffn_gate_exps.weight"])
-        np.testing.assert_array_equal(up.numpy(), expected[f"{blk}.ffn_up_exps.weight"])
-        down = values["down_proj"].numpy()
-        np.testing.assert_array_equal(down, expected[f"{blk}.ffn_down_exps.weight"])
+        assert_experts_are_the_files_blocks(layer.mlp.experts, index, types, expected, N_EXPERTS)
         # attention stays packed, q/k rows in HF order; the router is float, as in the file
         attn = layer.self_attn
         assert all(isinstance(attn.get_submodule(n), QuantLinear) for n in ("v_proj", "o_proj"))
@@ -151,20 +142,9 @@ def test_logits_match_a_float_mixtral_of_gguf_py_values(files, bridges, kind):
 
 def test_hooks_fire_on_router_and_experts(files, bridges):
     bridge = bridges["Q4_K"]
-    reference = float_mixtral(files["Q4_K"], bridge.model.config)
-    seen: dict[str, torch.Tensor] = {}
-    mlp = reference.model.layers[1].mlp
-    handles = [
-        mlp.register_forward_hook(lambda _m, _i, out: seen.update(mlp=out)),
-        mlp.gate.register_forward_hook(lambda _m, _i, out: seen.update(router=out)),
-    ]
-    try:
-        with torch.no_grad():
-            reference(TOKENS)
-            _, cache = bridge.run_with_cache(TOKENS)
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen = moe_block_outputs(float_mixtral(files["Q4_K"], bridge.model.config), 1, TOKENS)
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(TOKENS)
     logits, scores, indices = seen["router"]
     tolerance = {"rtol": 0, "atol": 1e-5 * logits.abs().max().item()}  # as in the logits test
     router_logits = cache["blocks.1.mlp.hook_router_logits"]
@@ -186,16 +166,7 @@ def test_hooks_fire_on_router_and_experts(files, bridges):
 def test_expert_weight_reads_are_guarded(files, bridges):
     bridge = bridges["Q4_K"]
     reference = float_mixtral(files["Q4_K"], bridge.model.config).model.layers[0].mlp.experts
-    for read in (W_in, W_gate, W_out):
-        with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
-            read(bridge, 0)
-        assert "gguf_q4_k" in str(error.value)
-    with bridge.dequantized():
-        w_gate, w_in, w_out = W_gate(bridge, 0), W_in(bridge, 0), W_out(bridge, 0, expert=2)
-    gate, up = reference.gate_up_proj.chunk(2, dim=1)
-    assert torch.equal(w_gate, gate.transpose(-1, -2))  # [experts, d_model, d_mlp]
-    assert torch.equal(w_in, up.transpose(-1, -2))
-    assert torch.equal(w_out, reference.down_proj[2].T)  # [d_mlp, d_model]
+    assert_expert_reads_are_guarded(bridge, reference, "gguf_q4_k", expert=2)
 
 
 def test_dequantize_on_load_gives_the_float_mixtral(files, bridges):

@@ -21,8 +21,10 @@ from gguf_files import (  # noqa: E402
 )
 from gguf_moe_files import (  # noqa: E402
     N_LAYERS,
-    NUM_EXPERTS,
+    assert_expert_reads_are_guarded,
+    assert_experts_are_the_files_blocks,
     make_gguf_moe,
+    moe_block_outputs,
     moe_type_of,
     write_gguf_moe,
 )
@@ -76,21 +78,7 @@ def test_experts_stay_gguf_blocks_that_decode_to_gguf_py_values(files, case):
     model = _qlens_model(path)
     assert not [n for n, p in model.named_parameters() if p.ndim == 3]  # no float experts
     for index, layer in enumerate(model.model.layers):
-        experts = layer.mlp.experts
-        assert isinstance(experts, QuantExperts)
-        assert (experts.num_experts, experts.gate.layout) == (NUM_EXPERTS, "stacked")
-        blk = f"blk.{index}"
-        for name, payload in experts.payload.items():
-            part = "gate" if name == "gate_up_proj" else "down"
-            file_type = types[f"{blk}.ffn_{part}_exps.weight"]
-            assert payload.format.name == f"gguf_{file_type.lower()}", name
-            assert payload.data.dtype == torch.uint8, name
-        values = qlens.dequantize(experts)
-        gate, up = values["gate_up_proj"].chunk(2, dim=1)
-        np.testing.assert_array_equal(gate.numpy(), expected[f"{blk}.ffn_gate_exps.weight"])
-        np.testing.assert_array_equal(up.numpy(), expected[f"{blk}.ffn_up_exps.weight"])
-        down = values["down_proj"].numpy()
-        np.testing.assert_array_equal(down, expected[f"{blk}.ffn_down_exps.weight"])
+        assert_experts_are_the_files_blocks(layer.mlp.experts, index, types, expected)
     formats = sorted({f"gguf_{t.lower()}" for t in types.values() if t not in ("F32", "F16")})
     assert audit_weights(model).formats == formats
     experts_rows = [r for r in audit_weights(model).rows if ".mlp.experts." in r.name]
@@ -138,20 +126,10 @@ def bridge(files):
 
 
 def test_moe_hooks_see_what_transformers_computes(bridge, files):
-    reference = transformers_gguf_model(files["qwen3moe", "Q4_0"])
-    seen: dict[str, torch.Tensor] = {}
-    layer = reference.model.layers[1].mlp
-    handles = [
-        layer.register_forward_hook(lambda _m, _i, out: seen.update(mlp=out)),
-        layer.gate.register_forward_hook(lambda _m, _i, out: seen.update(router=out[0])),
-    ]
-    try:
-        with torch.no_grad():
-            reference(TOKENS)
-            _, cache = bridge.run_with_cache(TOKENS)
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen = moe_block_outputs(transformers_gguf_model(files["qwen3moe", "Q4_0"]), 1, TOKENS)
+    seen["router"] = seen["router"][0]  # the logits
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(TOKENS)
     # the router's float logits on the same residual; the experts' sum as in the logits test
     mlp_out, router = cache["blocks.1.hook_mlp_out"][0], cache["blocks.1.mlp.hook_router_logits"]
     torch.testing.assert_close(router.reshape(seen["router"].shape), seen["router"])
@@ -161,18 +139,7 @@ def test_moe_hooks_see_what_transformers_computes(bridge, files):
 
 def test_expert_weight_reads_are_guarded(bridge, files):
     reference = transformers_gguf_model(files["qwen3moe", "Q4_0"]).model.layers[0].mlp.experts
-    for read in (W_in, W_gate, W_out):
-        with pytest.raises(NotImplementedError, match="read the experts of layer 0") as error:
-            read(bridge, 0)
-        assert "gguf_q4_0" in str(error.value)
-    with bridge.dequantized():
-        w_gate, w_in, w_out = W_gate(bridge, 0), W_in(bridge, 0), W_out(bridge, 0, expert=3)
-    gate, up = reference.gate_up_proj.chunk(2, dim=1)
-    assert torch.equal(w_gate, gate.transpose(-1, -2))  # [experts, d_model, d_mlp]
-    assert torch.equal(w_in, up.transpose(-1, -2))
-    assert torch.equal(w_out, reference.down_proj[3].T)  # [d_mlp, d_model]
-    with pytest.raises(NotImplementedError, match="read the experts of layer 0"):
-        W_in(bridge, 0)  # refused again once the context has exited
+    assert_expert_reads_are_guarded(bridge, reference, "gguf_q4_0", expert=3)
 
 
 def test_qwen2moe_shared_expert_reads_are_guarded_and_decode_like_transformers(files):
