@@ -3,10 +3,11 @@
 Llama-architecture files (Llama, SmolLM, Mistral...; Mixtral, written as ``llama`` with experts,
 ``qlens.gguf_mixtral``), Qwen2-MoE / Qwen3-MoE files and architectures transformers reads
 without a special tensor processor (Qwen2, Qwen3...) are read by qlens: the model is built on
-the meta device, transformers' GGUF-to-HF name map places each tensor, every quantized linear of a type qlens decodes becomes a ``QuantLinear`` over a GGUF
-payload (Llama's q/k rows put back in HF order exactly as transformers does: GGUF blocks run
-along K, so permuting rows moves whole rows of blocks), each MoE layer's stacked experts a
-``QuantExperts`` (``qlens.gguf_experts``), and the rest (embeddings, norms, routers, types qlens
+the meta device, transformers' GGUF-to-HF name map places each tensor, every quantized linear
+of a type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put
+back in HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves
+whole rows of blocks), each MoE layer's stacked experts a ``QuantExperts``
+(``qlens.gguf_experts``), and the rest (embeddings, norms, routers, types qlens
 has no codec for) is dequantized by gguf-py into float. Other architectures (GPT-OSS and
 MiniMax experts, Bloom/GPT-2 reshapes...) go through transformers' own GGUF loader; where it
 keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
