@@ -198,3 +198,37 @@ def moe_block_outputs(model: torch.nn.Module, layer: int, tokens: torch.Tensor) 
         for handle in handles:
             handle.remove()
     return seen
+
+
+def assert_holds_the_weights_of(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """``model`` (packed experts, float elsewhere) holds exactly ``reference``'s float weights,
+    in ``reference``'s dtype: its experts decode to them, its other parameters equal them."""
+    dtype = next(reference.parameters()).dtype
+    for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
+        theirs = reference.model.layers[index].mlp.experts  # type: ignore[union-attr, index]
+        assert isinstance(layer.mlp.experts, QuantExperts)
+        for leaf, values in qlens.dequantize(layer.mlp.experts, dtype).items():
+            assert torch.equal(values, getattr(theirs, leaf)), f"layer {index} {leaf}"
+    floats = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert tensor.dtype == dtype and torch.equal(tensor, floats[name]), name
+
+
+def assert_reloads_with_the_same_gguf_experts(
+    bridge: Any, folder: Path, tokens: torch.Tensor
+) -> torch.nn.Module:
+    """``save_quantized(bridge, folder)`` then ``load_quantized(folder)`` gives the same GGUF
+    expert payloads and logits; returns the reloaded HF model."""
+    from qlens.modules.serialization import load_quantized, save_quantized
+
+    save_quantized(bridge, folder)
+    reloaded = load_quantized(folder)
+    for index, layer in enumerate(reloaded.model.layers):
+        experts, saved = layer.mlp.experts, bridge.model.model.layers[index].mlp.experts
+        assert isinstance(experts, QuantExperts)
+        for name, payload in experts.payload.items():
+            assert payload.format == saved.payload[name].format
+            assert torch.equal(payload.data, saved.payload[name].data)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, bridge.model(tokens).logits)
+    return reloaded

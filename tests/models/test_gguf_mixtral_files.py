@@ -24,6 +24,8 @@ from gguf_files import (  # noqa: E402
 from gguf_moe_files import (  # noqa: E402
     assert_expert_reads_are_guarded,
     assert_experts_are_the_files_blocks,
+    assert_holds_the_weights_of,
+    assert_reloads_with_the_same_gguf_experts,
     moe_block_outputs,
     moe_type_of,
 )
@@ -32,7 +34,6 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
-from qlens.modules.serialization import load_quantized, save_quantized  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
 
 N_LAYERS, N_HEADS, N_KV_HEADS, N_EXPERTS = 2, 4, 2, 4
@@ -188,31 +189,13 @@ def test_dequantize_on_load_gives_the_float_mixtral(files, bridges):
 def test_bfloat16_load_rounds_gguf_py_values(files):
     path = files["mixed"]
     model = qlens.load(path, dtype=torch.bfloat16, tokenizer=make_tiny_tokenizer()).model
-    reference = float_mixtral(path, model.config).to(torch.bfloat16)
-    for index, layer in enumerate(model.model.layers):
-        theirs = reference.model.layers[index].mlp.experts
-        assert isinstance(layer.mlp.experts, QuantExperts)
-        for leaf, values in qlens.dequantize(layer.mlp.experts, torch.bfloat16).items():
-            assert torch.equal(values, getattr(theirs, leaf)), f"layer {index} {leaf}"
-    floats = dict(reference.named_parameters())
-    for name, tensor in model.named_parameters():
-        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, floats[name]), name
+    assert_holds_the_weights_of(model, float_mixtral(path, model.config).to(torch.bfloat16))
 
 
 def test_saved_mixtral_reloads_with_the_same_gguf_experts(bridges, tmp_path):
-    bridge = bridges["Q4_K"]
-    save_quantized(bridge, tmp_path)
-    reloaded = load_quantized(tmp_path)  # the HF model
+    reloaded = assert_reloads_with_the_same_gguf_experts(bridges["Q4_K"], tmp_path, TOKENS)
     assert type(reloaded).__name__ == "MixtralForCausalLM"
     assert reloaded.config.num_experts_per_tok == 2
-    for index, layer in enumerate(reloaded.model.layers):
-        experts, saved = layer.mlp.experts, bridge.model.model.layers[index].mlp.experts
-        assert isinstance(experts, QuantExperts)
-        for name, payload in experts.payload.items():
-            assert payload.format == saved.payload[name].format
-            assert torch.equal(payload.data, saved.payload[name].data)
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, bridge.model(TOKENS).logits)
 
 
 # write kwargs, model kwargs, the error

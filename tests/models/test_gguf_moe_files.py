@@ -23,6 +23,8 @@ from gguf_moe_files import (  # noqa: E402
     N_LAYERS,
     assert_expert_reads_are_guarded,
     assert_experts_are_the_files_blocks,
+    assert_holds_the_weights_of,
+    assert_reloads_with_the_same_gguf_experts,
     make_gguf_moe,
     moe_block_outputs,
     moe_type_of,
@@ -33,7 +35,6 @@ from model_fixtures import make_tiny_tokenizer  # noqa: E402
 import qlens  # noqa: E402
 from qlens.gguf_loading import load_gguf_packed  # noqa: E402
 from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
-from qlens.modules.serialization import load_quantized, save_quantized  # noqa: E402
 from qlens.report.audit import audit_weights  # noqa: E402
 from qlens.weights import W_gate, W_in, W_out, W_shared_expert_gate  # noqa: E402
 
@@ -174,27 +175,11 @@ def test_dequantize_on_load_gives_transformers_float_experts(files):
 def test_bfloat16_load_rounds_like_transformers(files):
     path = files["qwen3moe", "mixed"]
     model = load_gguf_packed(path, dtype=torch.bfloat16, device=None)
-    reference = transformers_gguf_model(path, torch.bfloat16)
-    for index, layer in enumerate(model.model.layers):
-        theirs = reference.model.layers[index].mlp.experts
-        for leaf, values in qlens.dequantize(layer.mlp.experts, torch.bfloat16).items():
-            assert torch.equal(values, getattr(theirs, leaf)), f"layer {index} {leaf}"
-    floats = dict(reference.named_parameters())
-    for name, tensor in model.named_parameters():
-        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, floats[name]), name
+    assert_holds_the_weights_of(model, transformers_gguf_model(path, torch.bfloat16))
 
 
 def test_saved_model_reloads_with_the_same_gguf_experts(bridge, tmp_path):
-    save_quantized(bridge, tmp_path)
-    reloaded = load_quantized(tmp_path)
-    for index, layer in enumerate(reloaded.model.layers):
-        experts, saved = layer.mlp.experts, bridge.model.model.layers[index].mlp.experts
-        assert isinstance(experts, QuantExperts)
-        for name, payload in experts.payload.items():
-            assert payload.format == saved.payload[name].format
-            assert torch.equal(payload.data, saved.payload[name].data)
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, bridge.model(TOKENS).logits)
+    assert_reloads_with_the_same_gguf_experts(bridge, tmp_path, TOKENS)
 
 
 @pytest.mark.parametrize(
