@@ -6,6 +6,7 @@ values, and the model predicts like a float ``MixtralForCausalLM`` holding gguf-
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,27 @@ def test_saved_mixtral_reloads_with_the_same_gguf_experts(bridges, tmp_path):
     reloaded = assert_reloads_with_the_same_gguf_experts(bridges["Q4_K"], tmp_path, TOKENS)
     assert type(reloaded).__name__ == "MixtralForCausalLM"
     assert reloaded.config.num_experts_per_tok == 2
+
+
+def test_experts_whose_gate_and_up_differ_load_as_gguf_py_floats(tmp_path, caplog):
+    types = {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"}
+    path = write_gguf_llama(
+        make_gguf_mixtral(),
+        tmp_path / "split.gguf",
+        lambda name: types.get(name.split(".")[-2], "Q8_0"),
+    )
+    with caplog.at_level(logging.WARNING, logger="qlens.gguf_experts"):
+        bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    assert "blk.1.ffn_up_exps.weight Q4_0" in caplog.text
+    experts = bridge.model.model.layers[1].mlp.experts
+    assert type(experts).__name__ == "MixtralExperts"
+    reference = float_mixtral(path, bridge.model.config)
+    floats = dict(reference.named_parameters())
+    for name, tensor in bridge.model.named_parameters():  # experts included, now float
+        assert torch.equal(tensor, floats[name]), name
+    with torch.no_grad():
+        ours, theirs = bridge(TOKENS), reference(TOKENS).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
 
 
 # write kwargs, model kwargs, the error
