@@ -9,15 +9,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
-from qlens.kernels.dequant_bitnet import BITNET_FORMATS, dequantize_bitnet_triton
-from qlens.kernels.dequant_bnb import BNB_FORMATS, dequantize_bnb_triton
-from qlens.kernels.dequant_gguf import GGUF_KERNEL_FORMATS, dequantize_gguf_triton
 from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
 from qlens.kernels.fast_launch import FastLaunch
+from qlens.kernels.formats import kernel_support
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
-from qlens.kernels.weights import KernelWeight, kernel_weight
+from qlens.kernels.weights import KernelWeight, kernel_weight, unsupported_reason
 from qlens.quant.payload import QuantPayload
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,19 +84,14 @@ def default_launch(n: int) -> DequantLaunch:
     return GPU_DEQUANT_LAUNCH
 
 
-# Formats whose payloads keep their library's own packing, each with a kernel of its own.
-_FORMAT_KERNELS = {
-    **dict.fromkeys(BNB_FORMATS, dequantize_bnb_triton),
-    **dict.fromkeys(GGUF_KERNEL_FORMATS, dequantize_gguf_triton),
-    **dict.fromkeys(BITNET_FORMATS, dequantize_bitnet_triton),
-}
-
-
 def has_dequantize_kernel(payload: QuantPayload) -> bool:
-    """Whether ``dequantize_triton`` has a kernel for ``payload``'s format and layout."""
-    from qlens.kernels.weights import unsupported_reason
-
-    return payload.format.name in _FORMAT_KERNELS or unsupported_reason(payload) is None
+    """Whether ``dequantize_triton`` has a kernel for ``payload``'s format and layout: its
+    format has a Triton dequantize and, where the format has a launch view, the payload fits
+    it."""
+    support = kernel_support(payload.format.name)
+    if support is None or support.triton_dequantize is None:
+        return False
+    return support.view is None or unsupported_reason(payload) is None
 
 
 def dequantize_triton(
@@ -110,24 +103,41 @@ def dequantize_triton(
 ) -> Float[Tensor, "..."]:
     """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
 
-    Decoded by a Triton kernel, bit-exact with ``qlens.dequantize(payload, dtype)`` for the
-    fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8 qlens layouts, bitsandbytes NF4/FP4/int8,
-    GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet payloads. ``launch`` overrides the default tile
-    (benchmarks sweep it); each library kernel's docstring says how it reads the tile.
-    ``check_values=False`` skips the library layouts' checks of their values (non-finite
-    scales, codes out of range: one device sync each), for payloads already checked.
+    Decoded by the Triton kernel of its format (``qlens.kernels.formats``), bit-exact with
+    ``qlens.dequantize(payload, dtype)``: the fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8
+    qlens layouts, bitsandbytes NF4/FP4/int8, GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet
+    payloads. ``launch`` overrides the default tile (benchmarks sweep it); each library
+    kernel's docstring says how it reads the tile. ``check_values=False`` skips the library
+    layouts' checks of their values (non-finite scales, codes out of range: one device sync
+    each), for payloads already checked.
     """
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dequantize_triton outputs {list(_OUT_DTYPES)}, not {dtype}")
-    if payload.format.name in _FORMAT_KERNELS:
-        kernel = _FORMAT_KERNELS[payload.format.name]
-        return kernel(payload, dtype, launch=launch, check_values=check_values)
+    support = kernel_support(payload.format.name)
+    if support is None or support.triton_dequantize is None:
+        kernel_weight(payload)  # raises, naming the formats the kernels read
+        raise ValueError(f"no Triton dequantize kernel for format {payload.format.name!r}")
+    return support.triton_dequantize(payload, dtype, launch=launch, check_values=check_values)
+
+
+def dequantize_qlens_layout(
+    payload: QuantPayload,
+    dtype: torch.dtype,
+    *,
+    launch: DequantLaunch | None = None,
+    check_values: bool = True,
+) -> Float[Tensor, "..."]:
+    """``dequantize_triton`` of a payload in the qlens layout of a kernel family (experts one
+    by one); ``check_values`` has nothing to skip here (the view checks no values)."""
     if len(payload.shape) == 3:
         from qlens.quant.expert_payloads import select_expert
 
         experts = range(payload.shape[0])
         return torch.stack(
-            [dequantize_triton(select_expert(payload, e), dtype, launch=launch) for e in experts]
+            [
+                dequantize_qlens_layout(select_expert(payload, e), dtype, launch=launch)
+                for e in experts
+            ]
         )
     w = kernel_weight(payload)
     require_kernel_device(w.data.device)

@@ -22,6 +22,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
+from qlens.kernels.formats import BITNET_FORMATS
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -36,7 +37,6 @@ from qlens.quant.codecs.checks import (
 )
 from qlens.quant.payload import QuantPayload
 
-BITNET_FORMATS = ("bitnet",)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONVENTIONS = ("divide", "multiply")
 _WORD_OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

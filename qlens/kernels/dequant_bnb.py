@@ -19,6 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
+from qlens.kernels.formats import BNB_FORMATS
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -33,8 +34,6 @@ from qlens.quant.codecs.checks import (
 )
 from qlens.quant.payload import QuantPayload
 
-BNB_4BIT_FORMATS = ("bnb_nf4", "bnb_fp4")
-BNB_FORMATS = (*BNB_4BIT_FORMATS, "bnb_int8")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT8_RECIPROCAL_C = tl.constexpr(INT8_RECIPROCAL)
 # Work per program (few big tiles in the interpreter). 4-bit weights are flat: a program

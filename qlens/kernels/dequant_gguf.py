@@ -19,6 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.dequant_launch import DequantLaunch, k_first_grid, k_first_tile
+from qlens.kernels.formats import GGUF_KERNEL_FORMATS, GGUF_KERNEL_TYPES
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -29,15 +30,12 @@ from qlens.quant.codecs.gguf import (
     Q5_1,
     Q8_0,
     GgmlType,
-    gguf_format,
     gguf_input_permutation,
     validate_gguf_payload,
 )
 from qlens.quant.payload import QuantPayload
 
-_KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-GGUF_KERNEL_FORMATS = tuple(gguf_format(t).name for t in _KERNEL_TYPES)
-_BY_NAME = dict(zip(GGUF_KERNEL_FORMATS, _KERNEL_TYPES, strict=True))
+_BY_NAME = dict(zip(GGUF_KERNEL_FORMATS, GGUF_KERNEL_TYPES, strict=True))
 _CODE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}
 _WITH_MIN = (Q4_1, Q5_1)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -33,13 +33,17 @@ from torch import nn
 from qlens.modules import QuantExperts, QuantLinear
 from qlens.modules.hf_experts import FusedExpertWeights, is_fused_experts, read_fused_experts
 from qlens.quant.payload import QuantPayload
-from qlens.quant.quantize import SCHEMES as QUANTIZER_SCHEMES
-from qlens.quant.quantize import quantize_weight
+from qlens.quant.quantize import quantize_weight, quantizing_codecs
 
 logger = logging.getLogger(__name__)
 
-SCHEMES: tuple[str, ...] = tuple(QUANTIZER_SCHEMES)
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*.lm_head", "embed_out", "*embed*")
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name == "SCHEMES":  # the registered quantize schemes, read on every access
+        return tuple(quantizing_codecs())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,13 @@ def quantize(
     Returns:
         The quantized model, or a new Bridge over it when a Bridge was given.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(SCHEMES)}")
-    if group_size is not None and scheme not in ("int4", "int8"):
+    schemes = quantizing_codecs()
+    if scheme not in schemes:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(schemes)}")
+    if group_size is not None and "group_size" not in schemes[scheme].quantize_options:
+        grouped = "/".join(s for s, c in schemes.items() if "group_size" in c.quantize_options)
         raise ValueError(
-            f"group_size applies to the int4/int8 schemes only; {scheme!r} has a fixed block"
+            f"group_size applies to the {grouped} schemes only; {scheme!r} has a fixed block"
         )
     options: dict[str, Any] = {"asymmetric": asymmetric, "scale_dtype": scale_dtype}
     if group_size is not None:

@@ -14,9 +14,17 @@ from qlens.quant.codecs.checks import (
     require_shape,
     weight_dims,
 )
-from qlens.quant.codecs.elements import as_e8m0_bytes, decode_e8m0
+from qlens.quant.codecs.codec import Codec, QuantizeOptions
+from qlens.quant.codecs.elements import (
+    E4M3_MAX,
+    as_e8m0_bytes,
+    decode_e8m0,
+    encode_e4m3,
+    encode_e8m0,
+)
 from qlens.quant.codecs.grid import expand_blocks
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.registry import register_codec
+from qlens.quant.codecs.rounding import round_scale_up
 from qlens.quant.formats import fp8_block_format
 from qlens.quant.payload import QuantPayload
 
@@ -66,10 +74,55 @@ def fp8_block_scale_grid(payload: QuantPayload) -> Float[Tensor, "*e gn gk"]:
     return payload.scales.float()
 
 
-@register_dequantizer("fp8_block")
 def dequantize_fp8_block(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W[n, k] = float(q[n, k]) * S[n // bn, k // bk]`` in fp32, then cast to ``dtype``."""
     validate_fp8_block(payload)
     _, n, k = weight_dims(payload)
     scales = expand_blocks(fp8_block_scale_grid(payload), payload.format.block, n, k)
     return (payload.data.float() * scales).to(dtype)
+
+
+def quantize_fp8_block(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
+    """Round to nearest e4m3 with one amax/448 scale per block (default 128x128); E8M0 scales
+    (``scale_dtype="e8m0"``) are rounded up to powers of two."""
+    if options.group_size is not None:
+        raise ValueError("fp8-block takes block_size=(rows, cols), not group_size")
+    size = (128, 128) if options.block_size is None else options.block_size
+    block = (size, size) if isinstance(size, int) else size
+    scale_dtype = options.scale_dtype
+    if scale_dtype not in (None, "fp32", "e8m0"):
+        raise ValueError(f"fp8-block scale_dtype must be 'fp32' or 'e8m0', got {scale_dtype!r}")
+    bn, bk = int(block[0]), int(block[1])
+    *_, n, k = w.shape
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    tiles = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [*e, gn, bn, gk, bk]
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # amax/448 as in transformers and DeepSeek; only where it falls into (or below) the fp32
+    # subnormal range is it rounded up, so that a tiny nonzero block never gets a zero scale.
+    tiny = scales < torch.finfo(torch.float32).tiny
+    scales = torch.where(tiny, round_scale_up(amax.double() / E4M3_MAX, torch.float32), scales)
+    if scale_dtype == "e8m0":
+        # Round up to a power of two: 2**ceil(log2 s) never makes |W / s| exceed 448.
+        mantissa, exponent = torch.frexp(scales)
+        ceil_log2 = exponent.to(torch.int32) - (mantissa == 0.5).to(torch.int32)
+        stored: Tensor = encode_e8m0(ceil_log2)
+        scales = torch.ldexp(torch.ones_like(scales), stored.to(torch.int32) - 127)
+    else:
+        stored = scales
+    data = encode_e4m3(w / expand_blocks(scales, (bn, bk), n, k))
+    return pack_fp8_block(data, stored, block=(bn, bk))
+
+
+FP8_BLOCK_CODEC = register_codec(
+    Codec(
+        "fp8_block",
+        dequantize_fp8_block,
+        validate=validate_fp8_block,
+        quantize=quantize_fp8_block,
+        scheme="fp8-block",
+        scheme_description="FP8 e4m3, one fp32 scale (amax/448) per 128x128 block; "
+        "scale_dtype='e8m0' rounds the scales up to powers of two",
+        quantize_options=("block_size", "scale_dtype"),
+    )
+)

@@ -13,6 +13,7 @@ Scales are fp32, bf16 or fp16 ``[*e, N, G]``.
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from qlens.quant.codecs.bits import pack_nibbles, unpack_nibbles
@@ -26,13 +27,15 @@ from qlens.quant.codecs.checks import (
     require_tensor,
     weight_dims,
 )
+from qlens.quant.codecs.codec import Codec, QuantizeOptions
 from qlens.quant.codecs.intcodes import IntGroups, contiguous_group_index, midpoint
 from qlens.quant.codecs.intpackings import (
     unpack_awq,
     unpack_compressed_tensors,
     unpack_gptq,
 )
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.registry import register_codec
+from qlens.quant.codecs.rounding import group_view, round_scale_up
 from qlens.quant.formats import int_group_format
 from qlens.quant.payload import QuantPayload
 
@@ -192,7 +195,6 @@ def unpack_int(payload: QuantPayload) -> IntGroups:
     return _UNPACKERS[packing](payload)
 
 
-@register_dequantizer("int2", "int3", "int4", "int8")
 def dequantize_int_group(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = (q - z) * s`` per group, in fp32, cast to ``dtype``; the quanto packing computes
     ``s * q - shift`` (or ``s * (q - z)``) in its scales' dtype instead, as quanto does, and the
@@ -250,3 +252,91 @@ def repack_to_qlens(payload: QuantPayload) -> QuantPayload:
         bits=payload.format.bits,
         group_size=group_size,
     )
+
+
+def validate_int_payload(payload: QuantPayload) -> None:
+    """Raise a ValueError naming what is inconsistent in an integer payload of any packing
+    (the library packings are checked by decoding them)."""
+    packing = payload.layout.get("packing", "qlens")
+    if packing == "qlens":
+        validate_int_group(payload)
+    elif packing == "quanto":
+        from qlens.quant.codecs.quanto_bits import validate_quanto_bits
+
+        validate_quanto_bits(payload)
+    elif packing == "torchao":
+        from qlens.quant.codecs.int4_float_zero import validate_int4_float_zero
+
+        validate_int4_float_zero(payload)
+    else:
+        unpack_int(payload)
+
+
+def quantize_int_group(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
+    """Round to nearest ``bits``-bit codes per group along K (default 128): symmetric
+    ``(q - mid) * s`` with ``s = amax / (mid - 1)``, or with ``asymmetric`` an integer zero
+    point and ``s = (max - min) / (2**bits - 1)``; scales rounded up in their dtype."""
+    bits = int(options.scheme.removeprefix("int"))
+    group = 128 if options.group_size is None else int(options.group_size)
+    if group < 1:
+        raise ValueError(f"group_size must be a positive int, got {options.group_size}")
+    scale_dtype = options.scale_dtype or "fp32"
+    dtypes = {name: dtype for dtype, name in SCALE_DTYPE_NAMES.items()}
+    if scale_dtype not in dtypes:
+        raise ValueError(f"integer scale_dtype must be one of {list(dtypes)}, got {scale_dtype!r}")
+    k = w.shape[-1]
+    groups = group_view(w, group)
+    levels = (1 << bits) - 1
+    if options.asymmetric:
+        low = groups.amin(dim=-1).clamp(max=0)
+        span = groups.amax(dim=-1).clamp(min=0).double() - low.double()
+        ideal = torch.where(span > 0, span / levels, torch.ones_like(span))
+    else:
+        amax = groups.abs().amax(dim=-1).double()
+        ideal = torch.where(amax > 0, amax / (levels // 2), torch.ones_like(amax))
+    stored = round_scale_up(ideal, dtypes[scale_dtype])
+    if not bool(torch.isfinite(stored).all()):
+        raise ValueError(
+            f"the weight's group ranges (up to {float(ideal.max()) * levels:.4g}) overflow "
+            f"{scale_dtype} scales; use scale_dtype='fp32'"
+        )
+    scale = stored.float()
+    ratio = groups / scale.unsqueeze(-1)
+    zeros = None
+    if options.asymmetric:
+        zeros = torch.round(-low / scale).clamp(0, levels)
+        codes = (torch.round(ratio) + zeros.unsqueeze(-1)).clamp(0, levels)
+    else:
+        zero = 1 << (bits - 1)
+        codes = torch.round(ratio).clamp(-zero, zero - 1) + zero
+    codes = codes.flatten(-2)[..., :k].to(torch.int64)
+    return pack_int_group(
+        codes,
+        stored,
+        None if zeros is None else zeros.to(torch.int64),
+        bits=bits,
+        group_size=group,
+    )
+
+
+_INT_SCHEMES = {
+    "int4": "INT4 group-wise (default group 128), symmetric (q-8)*s with s = amax/7, or "
+    "asymmetric=True: (q-z)*s with s = (max-min)/15",
+    "int8": "INT8 group-wise (default group 128), symmetric q*s with s = amax/127, or "
+    "asymmetric=True: (q-z)*s with s = (max-min)/255",
+}
+INT_CODECS = {
+    name: register_codec(
+        Codec(name, dequantize_int_group, validate=validate_int_payload)
+        if name not in _INT_SCHEMES
+        else Codec(
+            name,
+            dequantize_int_group,
+            validate=validate_int_payload,
+            quantize=quantize_int_group,
+            scheme_description=_INT_SCHEMES[name],
+            quantize_options=("group_size", "scale_dtype", "asymmetric"),
+        )
+    )
+    for name in ("int2", "int3", "int4", "int8")
+}

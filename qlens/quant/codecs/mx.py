@@ -10,7 +10,7 @@ import torch
 from jaxtyping import Float, UInt8
 from torch import Tensor
 
-from qlens.quant.codecs.bits import unpack_nibbles
+from qlens.quant.codecs.bits import pack_nibbles, unpack_nibbles
 from qlens.quant.codecs.checks import (
     ceil_div,
     check_scales,
@@ -21,9 +21,20 @@ from qlens.quant.codecs.checks import (
     require_shape,
     weight_dims,
 )
-from qlens.quant.codecs.elements import as_e8m0_bytes, decode_e2m1, decode_e8m0
+from qlens.quant.codecs.codec import Codec, QuantizeOptions
+from qlens.quant.codecs.elements import (
+    E2M1_MAX,
+    ELEMENT_EMAX,
+    as_e8m0_bytes,
+    decode_e2m1,
+    decode_e8m0,
+    encode_e2m1,
+    encode_e4m3,
+    encode_e8m0,
+)
 from qlens.quant.codecs.grid import expand_groups
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.registry import register_codec
+from qlens.quant.codecs.rounding import group_view, pow2_exponent_floor
 from qlens.quant.codecs.swizzle import SWIZZLE_32_4_4, swizzled_shape, unswizzle_32_4_4
 from qlens.quant.formats import MXFP4, MXFP8
 from qlens.quant.payload import QuantPayload
@@ -97,12 +108,62 @@ def mx_elements(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
     return decode_e2m1(unpack_nibbles(payload.data, k))
 
 
-@register_dequantizer("mxfp8", "mxfp4")
 def dequantize_mx(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = element * 2**(e - 127)`` in fp32, then cast to ``dtype``."""
     validate_mx(payload)
     _, _, k = weight_dims(payload)
     return (mx_elements(payload) * expand_groups(mx_scales(payload), MX_BLOCK, k)).to(dtype)
+
+
+def quantize_mx(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
+    """OCP MX round to nearest: one E8M0 scale ``2**(floor(log2 amax) - emax)`` per 32 along K,
+    e4m3 elements for "mxfp8", e2m1 (saturating at 6) for "mxfp4"."""
+    scheme = options.scheme
+    if options.group_size not in (None, MX_BLOCK):
+        raise ValueError(
+            f"{scheme} uses a fixed group of {MX_BLOCK}, got group_size={options.group_size}"
+        )
+    if options.scale_dtype not in (None, "e8m0"):
+        raise ValueError(f"{scheme} scales are e8m0, got scale_dtype={options.scale_dtype!r}")
+    element = "e4m3" if scheme == "mxfp8" else "e2m1"
+    *lead, n, k = w.shape
+    groups = group_view(w, MX_BLOCK)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(
+        amax > 0,
+        pow2_exponent_floor(amax) - ELEMENT_EMAX[element],
+        torch.full_like(amax, -127, dtype=torch.int32),
+    )
+    scale_bytes = encode_e8m0(exponent)
+    scale = torch.ldexp(torch.ones_like(amax), scale_bytes.to(torch.int32) - 127)
+    scaled = groups / scale.unsqueeze(-1)
+    if element == "e4m3":
+        data = encode_e4m3(scaled.flatten(-2)[..., :k])
+    else:
+        data = pack_nibbles(encode_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX).flatten(-2)))
+    return pack_mx(data, scale_bytes, (*lead, n, k))
+
+
+MXFP8_CODEC, MXFP4_CODEC = (
+    register_codec(
+        Codec(
+            fmt.name,
+            dequantize_mx,
+            validate=validate_mx,
+            quantize=quantize_mx,
+            scheme_description=description,
+            quantize_options=("scale_dtype",),
+        )
+    )
+    for fmt, description in (
+        (MXFP8, "OCP MXFP8: e4m3, one E8M0 scale per 32 along K (e = floor(log2 amax) - 8)"),
+        (
+            MXFP4,
+            "OCP MXFP4: e2m1 two per byte, one E8M0 scale per 32 along K "
+            "(e = floor(log2 amax) - 2)",
+        ),
+    )
+)
 
 
 def mxfp4_from_gpt_oss(

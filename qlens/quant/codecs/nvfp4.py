@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.quant.codecs.bits import unpack_nibbles
+from qlens.quant.codecs.bits import pack_nibbles, unpack_nibbles
 from qlens.quant.codecs.checks import (
     ceil_div,
     check_scales,
@@ -24,9 +24,11 @@ from qlens.quant.codecs.checks import (
     require_tensor,
     weight_dims,
 )
-from qlens.quant.codecs.elements import decode_e2m1
+from qlens.quant.codecs.codec import Codec, QuantizeOptions
+from qlens.quant.codecs.elements import E2M1_MAX, E4M3_MAX, decode_e2m1, encode_e2m1
 from qlens.quant.codecs.grid import expand_groups
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.registry import register_codec
+from qlens.quant.codecs.rounding import E4M3_SMALLEST_NORMAL, group_view
 from qlens.quant.codecs.swizzle import SWIZZLE_32_4_4, swizzled_shape, unswizzle_32_4_4
 from qlens.quant.formats import nvfp4_format
 from qlens.quant.payload import QuantPayload
@@ -108,10 +110,43 @@ def nvfp4_scales(payload: QuantPayload) -> Float[Tensor, "*e n g"]:
     return g * scales.float()
 
 
-@register_dequantizer("nvfp4")
 def dequantize_nvfp4(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = fp4 * (s * g)`` (multiply) or ``fp4 * (s / g)`` (divide) in fp32, cast to ``dtype``."""
     validate_nvfp4(payload)
     _, _, k = weight_dims(payload)
     values = decode_e2m1(unpack_nibbles(payload.data, k))
     return (values * expand_groups(nvfp4_scales(payload), NV_BLOCK, k)).to(dtype)
+
+
+def quantize_nvfp4(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
+    """Round to nearest e2m1 with an e4m3 scale per 16 along K and one fp32 global
+    ``amax / (6 * 448)`` (multiply convention)."""
+    if options.group_size not in (None, NV_BLOCK):
+        raise ValueError(
+            f"nvfp4 uses a fixed group of {NV_BLOCK}, got group_size={options.group_size}"
+        )
+    if options.scale_dtype not in (None, "e4m3"):
+        raise ValueError(f"nvfp4 scales are e4m3, got scale_dtype={options.scale_dtype!r}")
+    *lead, n, k = w.shape
+    amax = w.abs().amax()
+    g = amax / (E4M3_MAX * E2M1_MAX) if bool(amax > 0) else torch.ones((), device=w.device)
+    groups = group_view(w, NV_BLOCK)
+    block_scale = groups.abs().amax(dim=-1) / E2M1_MAX
+    scales = (block_scale / g).clamp(E4M3_SMALLEST_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    reciprocal = (1.0 / g) / scales.float()
+    scaled = (groups * reciprocal.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
+    data = pack_nibbles(encode_e2m1(scaled.flatten(-2)))
+    return pack_nvfp4(data, scales, g.reshape(()).float(), (*lead, n, k))
+
+
+NVFP4_CODEC = register_codec(
+    Codec(
+        "nvfp4",
+        dequantize_nvfp4,
+        validate=validate_nvfp4,
+        quantize=quantize_nvfp4,
+        scheme_description="NVFP4: e2m1 two per byte, e4m3 scale per 16 along K, fp32 global "
+        "amax/(6*448) (multiply convention)",
+        quantize_options=("scale_dtype",),
+    )
+)

@@ -1,15 +1,11 @@
-"""One registry mapping a format name to the function that dequantizes its payloads."""
+"""The one registry of quantization formats: a :class:`Codec` per format name."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
 
-import torch
-
-from qlens.quant.payload import QuantPayload
-
-Dequantizer = Callable[[QuantPayload, torch.dtype], torch.Tensor]
+from qlens.quant.codecs.codec import Codec, Dequantizer
 
 # Every codec module registers its formats when imported.
 _CODEC_MODULES = (
@@ -24,18 +20,47 @@ _CODEC_MODULES = (
     "hqq",
     "nf4_torchao",
 )
-_DEQUANTIZERS: dict[str, Dequantizer] = {}
+_CODECS: dict[str, Codec] = {}
 _loaded = False
 
 
+def register_codec(codec: Codec) -> Codec:
+    """Register ``codec`` under its format name; a name is registered once."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"register_codec takes a Codec, got {type(codec).__name__}")
+    existing = _CODECS.get(codec.name)
+    if existing is not None:
+        raise ValueError(
+            f"format {codec.name!r} is already registered (dequantized by "
+            f"{existing.dequantize.__module__}.{existing.dequantize.__qualname__}); a format is "
+            f"registered once: unregister_codec({codec.name!r}) first to replace it"
+        )
+    if codec.quantize is not None:
+        taken = next((c for c in _CODECS.values() if c.scheme == codec.scheme), None)
+        if taken is not None:
+            raise ValueError(
+                f"quantize scheme {codec.scheme!r} already quantizes to format {taken.name!r}; "
+                "give the new format another scheme name"
+            )
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def unregister_codec(format_name: str) -> Codec:
+    """Remove a registered format and return its codec."""
+    _load_codecs()
+    try:
+        return _CODECS.pop(format_name)
+    except KeyError:
+        raise ValueError(f"format {format_name!r} is not registered") from None
+
+
 def register_dequantizer(*format_names: str) -> Callable[[Dequantizer], Dequantizer]:
-    """Decorator registering ``fn(payload, dtype) -> Tensor`` for the given format names."""
+    """Decorator registering a codec with only ``fn(payload, dtype) -> Tensor`` for each name."""
 
     def decorate(fn: Dequantizer) -> Dequantizer:
         for name in format_names:
-            if name in _DEQUANTIZERS and _DEQUANTIZERS[name] is not fn:
-                raise RuntimeError(f"format {name!r} already has a dequantizer")
-            _DEQUANTIZERS[name] = fn
+            register_codec(Codec(name, fn))
         return fn
 
     return decorate
@@ -55,18 +80,29 @@ def _load_codecs() -> None:
         _loaded = True
 
 
-def dequantizer_for(format_name: str) -> Dequantizer:
-    """The dequantizer registered for ``format_name``; raises naming the known formats."""
+def codec_for(format_name: str) -> Codec:
+    """The codec registered for ``format_name``; raises naming the known formats."""
     _load_codecs()
     try:
-        return _DEQUANTIZERS[format_name]
+        return _CODECS[format_name]
     except KeyError:
-        known = ", ".join(sorted(_DEQUANTIZERS))
+        known = ", ".join(sorted(_CODECS))
         raise ValueError(
             f"no dequantizer for format {format_name!r}; known formats: {known}"
         ) from None
 
 
+def codecs() -> list[Codec]:
+    """Every registered codec, in registration order."""
+    _load_codecs()
+    return list(_CODECS.values())
+
+
+def dequantizer_for(format_name: str) -> Dequantizer:
+    """The dequantizer registered for ``format_name``; raises naming the known formats."""
+    return codec_for(format_name).dequantize
+
+
 def known_formats() -> list[str]:
     _load_codecs()
-    return sorted(_DEQUANTIZERS)
+    return sorted(_CODECS)
