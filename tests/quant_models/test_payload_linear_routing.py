@@ -3,18 +3,21 @@ the Triton dequantize kernel then cuBLAS, or the torch reference, each said once
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import qlens
-import qlens.kernels.dequant as dequant_module
 import qlens.kernels.plan as plan
 from qlens.kernels.dequant import has_dequantize_kernel
+from qlens.kernels.formats import kernel_support
 from qlens.kernels.runtime import interpreting
 from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs.gguf import Q4_1
+from qlens.quant.codecs.registry import codec_for
 from qlens.quant.quantize import quantize_weight
 
 META = torch.device("meta")
@@ -25,6 +28,13 @@ def _q4_1(n: int = 8, k: int = 64) -> qlens.QuantPayload:
     halfs = (torch.randn(n * k // 32, 2) * 0.01).to(torch.float16)
     blocks.view(-1, Q4_1.type_size)[:, :4] = halfs.view(torch.uint8)
     return gguf_payload(blocks, Q4_1.type_id)
+
+
+def _replace_q4_1_kernel(monkeypatch: pytest.MonkeyPatch, kernel: Callable[..., torch.Tensor]):
+    """Run ``kernel`` as the Triton dequantize of gguf_q4_1 for this test."""
+    support = kernel_support("gguf_q4_1")
+    replaced = dataclasses.replace(support, triton_dequantize=kernel)
+    monkeypatch.setattr(codec_for("gguf_q4_1"), "kernels", replaced)
 
 
 @pytest.fixture
@@ -67,7 +77,7 @@ def test_refused_layout_falls_back_to_the_reference_and_says_why(accelerator, mo
     def refuse(payload, dtype, *, launch=None, check_values=True):
         raise ValueError("this GGUF payload permutes its input columns")
 
-    monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", refuse)
+    _replace_q4_1_kernel(monkeypatch, refuse)
     x = torch.randn(2, 64)
     payload = _q4_1()
     chosen = plan.LinearPlan(payload, META)
@@ -94,7 +104,7 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     from qlens.kernels.reference import reference_linear
 
     seen: list[bool] = []
-    kernel = dequant_module._FORMAT_KERNELS["gguf_q4_1"]
+    kernel = kernel_support("gguf_q4_1").triton_dequantize
 
     def spy(payload, dtype, *, launch=None, check_values=True):
         seen.append(check_values)
@@ -107,7 +117,7 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
             payload, "dequantize_plan", lambda p: plan.LinearPlan(p, x.device, "dequantize")
         )(x)
 
-    monkeypatch.setitem(dequant_module._FORMAT_KERNELS, "gguf_q4_1", spy)
+    _replace_q4_1_kernel(monkeypatch, spy)
     payload = _q4_1(16, 64)
     x = torch.randn(3, 64)
     expected = reference_linear(x.double(), payload)
