@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from qlens.kernels import dequantize_triton
+from qlens.kernels import dequantize_triton, weights
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.formats import (
     BITNET_FORMATS,
@@ -24,7 +24,6 @@ from qlens.kernels.formats import (
 )
 from qlens.kernels.layout_view import FP8_BLOCK, INT4, INT8, MXFP4, MXFP8, NVFP4, qlens_layout_view
 from qlens.kernels.runtime import interpreting
-from qlens.kernels import weights
 from qlens.kernels.weights import kernel_weight, unsupported_reason
 from qlens.quant.codecs import registry
 from qlens.quant.codecs.codec import Codec
@@ -92,9 +91,7 @@ def _relabel(payload: QuantPayload, name: str) -> QuantPayload:
 @pytest.fixture
 def toy_codec() -> Iterator[Codec]:
     """The qlens int8 layout under another name, without a kernels part yet."""
-    codec = registry.register_codec(
-        Codec(TOY, dequantize_int_group, validate=validate_int_group)
-    )
+    codec = registry.register_codec(Codec(TOY, dequantize_int_group, validate=validate_int_group))
     try:
         yield codec
     finally:

@@ -47,7 +47,9 @@ def test_the_quantize_schemes_are_the_native_codecs_in_registration_order():
     assert model_quantize.SCHEMES == tuple(NATIVE.values())
     descriptions = quantize_module.SCHEMES
     assert descriptions["fp8-block"].startswith("FP8 e4m3, one fp32 scale (amax/448) per 128x128")
-    assert all(descriptions[s] == registry.codec_for(n).scheme_description for n, s in NATIVE.items())
+    assert all(
+        descriptions[s] == registry.codec_for(n).scheme_description for n, s in NATIVE.items()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NATIVE))
@@ -65,7 +67,9 @@ def test_a_native_codec_validates_what_dequantize_refuses(name: str):
 
 def test_a_codec_checks_only_payloads_of_its_format():
     payload = quantize_weight(torch.randn(4, 64), "int8")
-    with pytest.raises(ValueError, match="the int4 codec cannot check a int8 payload; use codec_for"):
+    with pytest.raises(
+        ValueError, match="the int4 codec cannot check a int8 payload; use codec_for"
+    ):
         registry.codec_for("int4").check(payload)
 
 
@@ -121,7 +125,9 @@ def test_registering_a_codec_makes_its_format_known_everywhere(toy):
     assert "toy-int8" in model_quantize.SCHEMES
     with pytest.raises(ValueError, match="block_size applies to 'fp8-block' only, not 'toy-int8'"):
         quantize_weight(weight, "toy-int8", block_size=32)
-    with pytest.raises(ValueError, match="asymmetric=True applies to int4/int8 only, not 'toy-int8'"):
+    with pytest.raises(
+        ValueError, match="asymmetric=True applies to int4/int8 only, not 'toy-int8'"
+    ):
         quantize_weight(weight, "toy-int8", asymmetric=True)
 
 
@@ -136,7 +142,9 @@ def test_qlens_quantize_swaps_layers_with_a_registered_scheme(toy):
 
 def test_a_format_and_a_scheme_are_registered_once(toy):
     codec, _ = toy
-    with pytest.raises(ValueError, match=r"^format 'toy_int8' is already registered \(dequantized by "):
+    with pytest.raises(
+        ValueError, match=r"^format 'toy_int8' is already registered \(dequantized by "
+    ):
         registry.register_codec(dataclasses.replace(codec, scheme="other"))
     with pytest.raises(ValueError, match="format 'int4' is already registered"):
         registry.register_codec(Codec("int4", dequantize_int_group))
@@ -152,7 +160,9 @@ def test_a_format_and_a_scheme_are_registered_once(toy):
 def test_unknown_formats_and_half_defined_codecs_are_refused():
     with pytest.raises(ValueError, match="format 'toy_missing' is not registered"):
         registry.unregister_codec("toy_missing")
-    with pytest.raises(ValueError, match="no dequantizer for format 'toy_missing'; known formats: "):
+    with pytest.raises(
+        ValueError, match="no dequantizer for format 'toy_missing'; known formats: "
+    ):
         registry.codec_for("toy_missing")
     with pytest.raises(ValueError, match="names a quantize scheme or options but has no quantize"):
         Codec("toy", dequantize_int_group, scheme="toy")
