@@ -4,7 +4,10 @@ read, so that registering a format is the only step that makes it known to them.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +53,20 @@ def test_the_quantize_schemes_are_the_native_codecs_in_registration_order():
     assert all(
         descriptions[s] == registry.codec_for(n).scheme_description for n, s in NATIVE.items()
     )
+
+
+def test_the_scheme_order_does_not_depend_on_which_codec_was_imported_first():
+    script = (
+        "import qlens.quant.codecs.gguf, qlens.quant.codecs.intgroup\n"
+        "from qlens.quant.quantize import SCHEMES\n"
+        "print(' '.join(SCHEMES))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == list(NATIVE.values())
 
 
 @pytest.mark.parametrize("name", sorted(NATIVE))

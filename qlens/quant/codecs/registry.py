@@ -77,7 +77,22 @@ def _load_codecs() -> None:
                 if error.name != name:  # a real import failure inside the codec
                     raise
                 # this codec is not part of the installation: its formats stay unknown
+        _in_module_order()
         _loaded = True
+
+
+def _in_module_order() -> None:
+    """Order the codecs as their modules are listed (a module imported early registers early),
+    then the formats registered from elsewhere, so listings do not depend on import order."""
+    modules = [f"qlens.quant.codecs.{m}" for m in _CODEC_MODULES]
+
+    def rank(codec: Codec) -> int:
+        module = codec.dequantize.__module__
+        return modules.index(module) if module in modules else len(modules)
+
+    ordered = sorted(_CODECS.values(), key=rank)  # stable: registration order within a module
+    _CODECS.clear()
+    _CODECS.update((c.name, c) for c in ordered)
 
 
 def codec_for(format_name: str) -> Codec:
