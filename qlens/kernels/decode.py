@@ -11,7 +11,7 @@ from typing import no_type_check
 import triton
 import triton.language as tl
 
-from qlens.kernels.weights import INT4, INT8, NVFP4
+from qlens.kernels.layout_view import INT4, INT8, NVFP4
 
 NVFP4_C = tl.constexpr(NVFP4)
 INT4_C = tl.constexpr(INT4)

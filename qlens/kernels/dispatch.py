@@ -10,9 +10,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.kernels.configs import LinearConfig, choose_config
+from qlens.kernels.layout_view import INT4
 from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
 from qlens.kernels.weights import (
-    INT4,
     KernelWeight,
     cached_on_payload,
     kernel_weight,

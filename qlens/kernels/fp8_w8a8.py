@@ -13,11 +13,11 @@ from qlens.kernels.configs import LinearConfig, require_tile_sizes
 from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import on_device
+from qlens.kernels.layout_view import FP8_BLOCK, KernelWeight
 from qlens.kernels.numerics import f32_to_e4m3_bits
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import split_target, store_tile
 from qlens.kernels.weight_only import grouped_tile
-from qlens.kernels.weights import FP8_BLOCK, KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.codecs.elements import decode_e8m0
 

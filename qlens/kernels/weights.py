@@ -6,15 +6,7 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 from qlens.kernels.formats import fused_kernel_formats, kernel_families, kernel_support
-from qlens.kernels.layout_view import (  # noqa: F401 (the kernels import them from here)
-    FP8_BLOCK,
-    INT4,
-    INT8,
-    MXFP4,
-    MXFP8,
-    NVFP4,
-    KernelWeight,
-)
+from qlens.kernels.layout_view import KernelWeight
 from qlens.quant.payload import QuantPayload
 
 T = TypeVar("T")
