@@ -17,6 +17,7 @@ from qlens.modules import model_quantize
 from qlens.quant import quantize as quantize_module
 from qlens.quant.codecs import registry
 from qlens.quant.codecs.codec import Codec, QuantizeOptions
+from qlens.quant.codecs.element_scales import element_scales
 from qlens.quant.codecs.intgroup import dequantize_int_group, quantize_int_group, validate_int_group
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
@@ -186,3 +187,16 @@ def test_unknown_formats_and_half_defined_codecs_are_refused():
     with pytest.raises(ValueError, match="a codec needs a non-empty format name"):
         Codec("", dequantize_int_group)
     assert Codec("toy", dequantize_int_group, quantize=quantize_int_group).scheme == "toy"
+
+
+def test_element_scales_are_read_from_the_codec(toy):
+    codec, _ = toy
+    payload = quantize_weight(torch.randn(4, 64), "toy-int8", group_size=32)
+    with pytest.raises(
+        ValueError, match=r"element_scales does not know format 'toy_int8'; it knows \["
+    ):
+        element_scales(payload)
+    codec.element_scales = registry.codec_for("int8").element_scales
+    expected = payload.scales.repeat_interleave(32, dim=-1)  # one fp32 scale per 32 along K
+    assert torch.equal(element_scales(payload), expected)
+    assert all(registry.codec_for(n).element_scales is not None for n in NATIVE)

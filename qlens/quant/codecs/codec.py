@@ -19,6 +19,7 @@ from qlens.quant.payload import QuantPayload
 
 Dequantizer = Callable[[QuantPayload, torch.dtype], Tensor]
 Validator = Callable[[QuantPayload], None]
+ElementScales = Callable[[QuantPayload], Tensor]
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ class Codec:
     its input itself). A format qlens quantizes to has ``quantize(weight, options)`` (a float32
     ``[*e, N, K]`` weight, already checked), the ``scheme`` name users pass (default: the
     format name), what the scheme does (``scheme_description``) and which of the optional
-    ``quantize_weight`` arguments it takes (``quantize_options``). ``kernels`` is set by the
-    kernels layer, once.
+    ``quantize_weight`` arguments it takes (``quantize_options``). ``element_scales(payload)``
+    gives the multiplier of every element, float32 ``[*e, N, K]`` (for error bounds).
+    ``kernels`` is set by the kernels layer, once.
     """
 
     name: str
@@ -55,6 +57,7 @@ class Codec:
     scheme: str = ""
     scheme_description: str = ""
     quantize_options: Sequence[str] = ()
+    element_scales: ElementScales | None = None
     kernels: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -77,9 +77,13 @@ def fp8_block_scale_grid(payload: QuantPayload) -> Float[Tensor, "*e gn gk"]:
 def dequantize_fp8_block(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W[n, k] = float(q[n, k]) * S[n // bn, k // bk]`` in fp32, then cast to ``dtype``."""
     validate_fp8_block(payload)
+    return (payload.data.float() * fp8_block_element_scales(payload)).to(dtype)
+
+
+def fp8_block_element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
+    """The block multiplier of every element, float32 ``[*e, N, K]``."""
     _, n, k = weight_dims(payload)
-    scales = expand_blocks(fp8_block_scale_grid(payload), payload.format.block, n, k)
-    return (payload.data.float() * scales).to(dtype)
+    return expand_blocks(fp8_block_scale_grid(payload), payload.format.block, n, k)
 
 
 def quantize_fp8_block(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
@@ -124,5 +128,6 @@ FP8_BLOCK_CODEC = register_codec(
         scheme_description="FP8 e4m3, one fp32 scale (amax/448) per 128x128 block; "
         "scale_dtype='e8m0' rounds the scales up to powers of two",
         quantize_options=("block_size", "scale_dtype"),
+        element_scales=fp8_block_element_scales,
     )
 )

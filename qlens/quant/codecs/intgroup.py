@@ -28,6 +28,7 @@ from qlens.quant.codecs.checks import (
     weight_dims,
 )
 from qlens.quant.codecs.codec import Codec, QuantizeOptions
+from qlens.quant.codecs.grid import expand_groups
 from qlens.quant.codecs.intcodes import IntGroups, contiguous_group_index, midpoint
 from qlens.quant.codecs.intpackings import (
     unpack_awq,
@@ -272,6 +273,17 @@ def validate_int_payload(payload: QuantPayload) -> None:
         unpack_int(payload)
 
 
+def int_element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
+    """The group scale (one code step) of every element, float32 ``[*e, N, K]``."""
+    if payload.format.zero_point == "float":
+        # a float shift or zero point (optimum-quanto, torchao int4): contiguous groups, one
+        # scale each (no integer codes' zero point to decode)
+        scales = require_tensor(payload.scales, "scales", payload).float()
+        return expand_groups(scales, payload.format.block[1], payload.shape[-1])
+    groups = unpack_int(payload)
+    return groups.scales.float().index_select(-1, groups.group_index.long())
+
+
 def quantize_int_group(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
     """Round to nearest ``bits``-bit codes per group along K (default 128): symmetric
     ``(q - mid) * s`` with ``s = amax / (mid - 1)``, or with ``asymmetric`` an integer zero
@@ -327,7 +339,12 @@ _INT_SCHEMES = {
 }
 INT_CODECS = {
     name: register_codec(
-        Codec(name, dequantize_int_group, validate=validate_int_payload)
+        Codec(
+            name,
+            dequantize_int_group,
+            validate=validate_int_payload,
+            element_scales=int_element_scales,
+        )
         if name not in _INT_SCHEMES
         else Codec(
             name,
@@ -336,6 +353,7 @@ INT_CODECS = {
             quantize=quantize_int_group,
             scheme_description=_INT_SCHEMES[name],
             quantize_options=("group_size", "scale_dtype", "asymmetric"),
+            element_scales=int_element_scales,
         )
     )
     for name in ("int2", "int3", "int4", "int8")

@@ -108,11 +108,16 @@ def mx_elements(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
     return decode_e2m1(unpack_nibbles(payload.data, k))
 
 
+def mx_element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
+    """The E8M0 multiplier of every element, float32 ``[*e, N, K]``."""
+    _, _, k = weight_dims(payload)
+    return expand_groups(mx_scales(payload), MX_BLOCK, k)
+
+
 def dequantize_mx(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = element * 2**(e - 127)`` in fp32, then cast to ``dtype``."""
     validate_mx(payload)
-    _, _, k = weight_dims(payload)
-    return (mx_elements(payload) * expand_groups(mx_scales(payload), MX_BLOCK, k)).to(dtype)
+    return (mx_elements(payload) * mx_element_scales(payload)).to(dtype)
 
 
 def quantize_mx(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
@@ -153,6 +158,7 @@ MXFP8_CODEC, MXFP4_CODEC = (
             quantize=quantize_mx,
             scheme_description=description,
             quantize_options=("scale_dtype",),
+            element_scales=mx_element_scales,
         )
     )
     for fmt, description in (

@@ -110,12 +110,18 @@ def nvfp4_scales(payload: QuantPayload) -> Float[Tensor, "*e n g"]:
     return g * scales.float()
 
 
+def nvfp4_element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
+    """The effective multiplier (block scale and global) of every element, ``[*e, N, K]``."""
+    _, _, k = weight_dims(payload)
+    return expand_groups(nvfp4_scales(payload), NV_BLOCK, k)
+
+
 def dequantize_nvfp4(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``W = fp4 * (s * g)`` (multiply) or ``fp4 * (s / g)`` (divide) in fp32, cast to ``dtype``."""
     validate_nvfp4(payload)
     _, _, k = weight_dims(payload)
     values = decode_e2m1(unpack_nibbles(payload.data, k))
-    return (values * expand_groups(nvfp4_scales(payload), NV_BLOCK, k)).to(dtype)
+    return (values * nvfp4_element_scales(payload)).to(dtype)
 
 
 def quantize_nvfp4(w: Float[Tensor, "*e n k"], options: QuantizeOptions) -> QuantPayload:
@@ -148,5 +154,6 @@ NVFP4_CODEC = register_codec(
         scheme_description="NVFP4: e2m1 two per byte, e4m3 scale per 16 along K, fp32 global "
         "amax/(6*448) (multiply convention)",
         quantize_options=("scale_dtype",),
+        element_scales=nvfp4_element_scales,
     )
 )
