@@ -6,7 +6,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-# The smallest normal e4m3 value: NVFP4 block scales are kept at or above it.
+# The smallest normal e4m3 value: e4m3 block scales are kept at or above it.
 E4M3_SMALLEST_NORMAL = 2.0**-6
 
 
