@@ -15,9 +15,11 @@ import torch
 import qlens
 from qlens.modules import model_quantize
 from qlens.quant import quantize as quantize_module
+from qlens.quant.adopt.higgs_gguf import gguf_payload
 from qlens.quant.codecs import registry
 from qlens.quant.codecs.codec import Codec, QuantizeOptions
 from qlens.quant.codecs.element_scales import element_scales
+from qlens.quant.codecs.gguf import Q8_0
 from qlens.quant.codecs.intgroup import dequantize_int_group, quantize_int_group, validate_int_group
 from qlens.quant.dequantize import dequantize
 from qlens.quant.payload import QuantPayload
@@ -200,3 +202,21 @@ def test_element_scales_are_read_from_the_codec(toy):
     expected = payload.scales.repeat_interleave(32, dim=-1)  # one fp32 scale per 32 along K
     assert torch.equal(element_scales(payload), expected)
     assert all(registry.codec_for(n).element_scales is not None for n in NATIVE)
+
+
+def test_the_formats_without_a_separate_validator_check_their_input_when_dequantized():
+    unvalidated = {c.name for c in registry.codecs() if c.validate is None}
+    assert unvalidated == {"bnb_nf4", "bnb_fp4", "bnb_int8", "bitnet", "higgs", "nf4_torchao"}
+
+
+def test_a_gguf_codec_validates_what_dequantize_refuses():
+    blocks = torch.zeros(3, 2 * Q8_0.type_size, dtype=torch.uint8)
+    payload = gguf_payload(blocks, Q8_0.type_id)
+    codec = registry.codec_for("gguf_q8_0")
+    codec.check(payload)
+    bad = dataclasses.replace(payload, data=blocks[:, :-1])
+    message = r"^gguf_q8_0 payload `data` must have shape \[3, 68\], got \[3, 67\]"
+    with pytest.raises(ValueError, match=message):
+        codec.check(bad)
+    with pytest.raises(ValueError, match=message):
+        dequantize(bad)

@@ -18,7 +18,7 @@ from torch import Tensor
 from qlens.quant.payload import QuantPayload
 
 Dequantizer = Callable[[QuantPayload, torch.dtype], Tensor]
-Validator = Callable[[QuantPayload], None]
+Validator = Callable[[QuantPayload], object]  # raises on a bad payload; the result is unused
 ElementScales = Callable[[QuantPayload], Tensor]
 
 

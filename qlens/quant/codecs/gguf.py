@@ -29,7 +29,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from qlens.quant.codecs.checks import require_dtype, require_same_device, require_shape
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.codec import Codec
+from qlens.quant.codecs.registry import register_codec
 from qlens.quant.formats import QuantFormat
 from qlens.quant.payload import QuantPayload
 
@@ -302,7 +303,6 @@ def gguf_input_permutation(payload: QuantPayload, *, check_values: bool) -> Tens
     return perm.contiguous()
 
 
-@register_dequantizer(*(gguf_format(t).name for t in GGML_TYPES.values()))
 def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, "..."]:
     """Reconstruct a GGUF-packed weight (float32 math as in gguf-py, then cast to ``dtype``)."""
     if not dtype.is_floating_point:
@@ -315,3 +315,9 @@ def dequantize_gguf(payload: QuantPayload, dtype: torch.dtype) -> Float[Tensor, 
         permuted[..., perm] = weight
         weight = permuted
     return weight.to(dtype)
+
+
+for _ggml_type in GGML_TYPES.values():
+    register_codec(
+        Codec(gguf_format(_ggml_type).name, dequantize_gguf, validate=validate_gguf_payload)
+    )

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from qlens.quant.codecs.checks import require_dtype, require_shape, require_tensor
-from qlens.quant.codecs.registry import register_dequantizer
+from qlens.quant.codecs.codec import Codec
+from qlens.quant.codecs.registry import register_codec
 from qlens.quant.formats import QuantFormat
 from qlens.quant.payload import QuantPayload
 
@@ -80,7 +81,8 @@ def unpack_hqq_codes(payload: QuantPayload) -> Tensor:
     return unpacked[:rows].to(_DTYPES_BY_NAME[payload.layout["compute_dtype"]])
 
 
-def _check(payload: QuantPayload) -> None:
+def validate_hqq(payload: QuantPayload) -> None:
+    """Raise a ValueError if the scales or zeros do not match the HQQ groups."""
     n, k = payload.shape
     group = payload.format.block[1] if payload.layout["axis"] == 1 else payload.format.block[0]
     if (n * k) % group:
@@ -92,11 +94,13 @@ def _check(payload: QuantPayload) -> None:
         require_shape(value, name, expected, payload)
 
 
-@register_dequantizer("hqq")
 def dequantize_hqq(payload: QuantPayload, dtype: torch.dtype) -> Tensor:
     """``(codes - zeros) * scales`` reshaped to ``[N, K]``, computed as HQQ does, then cast."""
-    _check(payload)
+    validate_hqq(payload)
     codes = unpack_hqq_codes(payload)
     assert payload.zeros is not None and payload.scales is not None  # checked above
     weight = ((codes - payload.zeros) * payload.scales).reshape(payload.shape)
     return weight.to(dtype)
+
+
+HQQ_CODEC = register_codec(Codec("hqq", dequantize_hqq, validate=validate_hqq))
