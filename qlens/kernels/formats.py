@@ -43,8 +43,9 @@ BITNET_FORMATS = ("bitnet",)
 
 @dataclass(frozen=True)
 class KernelSupport:
-    """How the kernels read one format (see the module docstring); ``family`` and ``view`` come
-    together or not at all."""
+    """How the kernels read one format (see the module docstring).
+
+    ``family`` and ``view`` come together or not at all."""
 
     family: int | None = None
     view: Callable[[QuantPayload], KernelWeight] | None = None
@@ -88,8 +89,7 @@ def attach_kernel_support(format_name: str, support: KernelSupport) -> None:
 
 
 def kernel_support(format_name: str) -> KernelSupport | None:
-    """The kernels part of ``format_name``, ``None`` for a format the kernels do not read (or
-    one that is not registered)."""
+    """The kernels part of ``format_name`` (``None``: not read by the kernels, or unknown)."""
     try:
         support = codec_for(format_name).kernels
     except ValueError:

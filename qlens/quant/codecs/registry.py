@@ -108,7 +108,7 @@ def codec_for(format_name: str) -> Codec:
 
 
 def codecs() -> list[Codec]:
-    """Every registered codec, in registration order."""
+    """Every registered codec, the built-in ones first (in their modules' order)."""
     _load_codecs()
     return list(_CODECS.values())
 
@@ -119,5 +119,6 @@ def dequantizer_for(format_name: str) -> Dequantizer:
 
 
 def known_formats() -> list[str]:
+    """Every registered format name, sorted."""
     _load_codecs()
     return sorted(_CODECS)
