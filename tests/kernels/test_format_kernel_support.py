@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from qlens.kernels import dequantize_triton, weights
+from qlens.kernels import dequantize_triton, plan, weights
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.formats import (
     BITNET_FORMATS,
@@ -33,6 +33,7 @@ from qlens.quant.payload import QuantPayload
 from qlens.quant.quantize import quantize_weight
 
 TOY = "toy_int8_kernels"
+META = torch.device("meta")
 
 
 def test_the_family_codes_are_derived_from_the_codecs():
@@ -98,13 +99,16 @@ def toy_codec() -> Iterator[Codec]:
         registry.unregister_codec(TOY)
 
 
-def test_a_registered_format_reaches_the_kernels_only_with_its_kernels_part(toy_codec):
+def test_a_registered_format_reaches_the_kernels_only_with_its_kernels_part(toy_codec, monkeypatch):
+    monkeypatch.setattr(plan, "kernel_device_problem", lambda device: None)  # meta: a GPU
     int8 = quantize_weight(torch.randn(8, 64), "int8", group_size=32)
     payload = _relabel(int8, TOY)
     assert dequantize(payload).equal(dequantize(int8))
     assert f"not '{TOY}'" in (unsupported_reason(payload) or "")
     assert not has_dequantize_kernel(payload)
     assert TOY not in weights.FAMILIES
+    route, reason = plan.choose_route(payload, META)
+    assert route == "reference" and f"not '{TOY}'" in (reason or "")
 
     attach_kernel_support(
         TOY,
@@ -119,5 +123,6 @@ def test_a_registered_format_reaches_the_kernels_only_with_its_kernels_part(toy_
     view = kernel_weight(fresh)
     assert (view.name, view.family, view.group_k) == (TOY, INT8, 32)
     assert weights.FAMILIES[TOY] == INT8 and TOY in fused_kernel_formats()
+    assert plan.choose_route(fresh, META) == ("kernel", None)
     if interpreting():
         assert torch.equal(dequantize_triton(fresh, torch.float32), dequantize(int8))
