@@ -103,10 +103,10 @@ def dequantize_triton(
 ) -> Float[Tensor, "..."]:
     """Dense ``[out, in]`` (or ``[experts, out, in]``) weight of ``payload`` in ``dtype``.
 
-    Decoded by the Triton kernel of its format (``qlens.kernels.formats``), bit-exact with
-    ``qlens.dequantize(payload, dtype)``: the fp8_block, mxfp8, mxfp4, nvfp4, int4 and int8
-    qlens layouts, bitsandbytes NF4/FP4/int8, GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet
-    payloads. ``launch`` overrides the default tile (benchmarks sweep it); each library
+    Decoded by the Triton kernel of its format (``KernelSupport.triton_dequantize``, see
+    ``qlens.kernels.formats``: the qlens layouts of the kernel families, bitsandbytes, GGUF
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and BitNet), bit-exact with ``qlens.dequantize(payload, dtype)``.
+    ``launch`` overrides the default tile (benchmarks sweep it); each library
     kernel's docstring says how it reads the tile. ``check_values=False`` skips the library
     layouts' checks of their values (non-finite scales, codes out of range: one device sync
     each), for payloads already checked.

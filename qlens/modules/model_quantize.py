@@ -67,7 +67,7 @@ def quantize(
 
     Args:
         model_or_bridge: an ``nn.Module`` (typically a transformers causal LM) or a qlens Bridge.
-        scheme: one of ``fp8-block``, ``mxfp8``, ``mxfp4``, ``nvfp4``, ``int4``, ``int8``.
+        scheme: a quantize scheme, one of :data:`SCHEMES` (``fp8-block``, ``int4``...).
         skip: glob patterns (``fnmatch``) on module paths to leave unquantized; ``None`` means
             :data:`DEFAULT_SKIP` (unembedding and embeddings). A list replaces the defaults:
             pass ``[*DEFAULT_SKIP, "*.q_proj"]`` to extend them.

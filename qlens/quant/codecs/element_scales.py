@@ -13,7 +13,7 @@ def element_scales(payload: QuantPayload) -> Float[Tensor, "*e n k"]:
     """Scale applied to each element (``W = element_value * scale``), ``[*e, N, K]`` float32.
 
     For integer formats this is the group scale (one code step). Read from the format's codec
-    (``Codec.element_scales``): fp8_block, mxfp8, mxfp4, nvfp4 and the integer formats.
+    (``Codec.element_scales``); the formats qlens quantizes to all have one.
     """
     name = payload.format.name
     scales = codec_for(name).element_scales
