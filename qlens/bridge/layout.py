@@ -10,9 +10,10 @@ from torch import Tensor, nn
 from qlens.bridge import taps
 from qlens.bridge.adapters.base import Adapter
 from qlens.bridge.config import BridgeConfig, resolve_flag
-from qlens.bridge.names import MLP_IN_NAME, SPLIT_INPUT_NAMES, LayerLayout
+from qlens.bridge.names import MLP_IN_NAME, SHARED_EXPERT_NAMES, SPLIT_INPUT_NAMES, LayerLayout
 from qlens.bridge.projection_taps import FusedQKSite, FusedQKV, ProjectionHeadsSite
 from qlens.bridge.routing import route
+from qlens.bridge.shared_expert_taps import SharedExpertSite
 from qlens.bridge.split_inputs import FusedSplitInputSite, SplitInputSite
 
 
@@ -65,6 +66,7 @@ def resolve_layers(model: nn.Module, adapter: Adapter) -> list[ResolvedLayer]:
             ln2_post="ln2_post" in modules,
             parallel=parallel,
             moe=moe,
+            shared_expert=moe and "shared_mlp_down" in modules,
             gated="mlp_gate" in modules or "mlp_gate_up" in modules,
             rotary=adapter.positional_embedding_type == "rotary",
             split_inputs="qkv" in modules or all(name in modules for name in ("q", "k", "v")),
@@ -124,6 +126,8 @@ def build_layer_sites(
                 routing,
             )
         )
+        if rl.layout.shared_expert:
+            sites.append(_shared_expert_site(rl, adapter))
     elif "mlp_gate_up" in m:
         sites.append(
             taps.GateUpSite(m["mlp_gate_up"], p + "mlp.hook_pre", p + "mlp.hook_pre_linear")
@@ -201,6 +205,25 @@ def _fused_qkv(adapter: Adapter, cfg: BridgeConfig) -> FusedQKV:
             "parts cannot be found; set qkv_layout in the adapter table"
         )
     return FusedQKV(adapter.qkv_layout, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
+
+
+def _shared_expert_site(rl: ResolvedLayer, adapter: Adapter) -> SharedExpertSite:
+    """``mlp.hook_routed_out`` / ``hook_shared_expert_out``; before ``hook_mlp_out``'s site on
+    the same block, so that one sees the sum the block returns."""
+    m = rl.modules
+    missing = [name for name in ("mlp", "experts", "shared_expert_gate") if name not in m]
+    if missing:
+        raise ValueError(
+            f"layer {rl.index} of this {adapter.family} model has a shared expert but no "
+            f"{', '.join(missing)} module at the adapter's paths, so its output cannot be told "
+            "apart from the routed experts'; the model does not match its adapter table "
+            "(qlens.bridge.adapters)"
+        )
+    prefix = f"blocks.{rl.index}."
+    routed, shared = (prefix + name for name in SHARED_EXPERT_NAMES)
+    return SharedExpertSite(
+        m["mlp"], m["experts"], m["shared_mlp_down"], m["shared_expert_gate"], routed, shared
+    )
 
 
 def _config_of(rl: ResolvedLayer) -> object:

@@ -20,6 +20,9 @@ ATTN_TAIL_NAMES = ("hook_attn_scores", "hook_pattern", "hook_z", "hook_result")
 # q/k/v projections or a fused qkv of known layout; and the residual entering the MLP's norm.
 SPLIT_INPUT_NAMES = ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input", "hook_attn_in")
 MLP_IN_NAME = "hook_mlp_in"
+# The two terms of an MoE block with a shared expert: the routed experts' weighted sum, and the
+# shared expert's output scaled by its sigmoid gate; hook_mlp_out is their sum.
+SHARED_EXPERT_NAMES = ("mlp.hook_routed_out", "mlp.hook_shared_expert_out")
 # Opt-in names: only computed when asked for by name (not by names_filter=None), or by
 # names_filter=None once their switch is on (see ``qlens.bridge.switches``).
 OPT_IN_SUFFIXES = ("attn.hook_result", *SPLIT_INPUT_NAMES, MLP_IN_NAME)
@@ -34,6 +37,7 @@ class LayerLayout:
     parallel: bool
     moe: bool
     gated: bool
+    shared_expert: bool = False  # an MoE layer with a gated shared expert (Qwen2-MoE)
     rotary: bool = False
     split_inputs: bool = False  # q/k/v projections the per-head inputs can run through
 
@@ -59,6 +63,8 @@ def layer_hook_names(i: int, layout: LayerLayout) -> list[str]:
     names += [p + MLP_IN_NAME, *(p + "ln2." + n for n in LN_NAMES)]
     if layout.moe:
         names += [p + "mlp.hook_router_logits", p + "mlp.hook_router_weights"]
+        if layout.shared_expert:
+            names += [p + n for n in SHARED_EXPERT_NAMES]
     else:
         names.append(p + "mlp.hook_pre")
         if layout.gated:
