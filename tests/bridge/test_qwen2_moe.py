@@ -5,12 +5,12 @@ in HF."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from bridge_models import tiny_model
+from module_hooks import recording, replacing
 from torch import nn
 
 from qlens.bridge import Bridge
@@ -19,23 +19,6 @@ TOKENS = torch.randint(3, 1000, (2, 7), generator=torch.Generator().manual_seed(
 # hook_attn_scores / hook_pattern switch a layer to qlens' explicit attention (rounding differs
 # from SDPA's); every other hook leaves the HF computation bit-identical.
 SDPA_NAMES = lambda name: not name.endswith(("hook_attn_scores", "hook_pattern"))  # noqa: E731
-
-
-@contextmanager
-def recording(model: nn.Module, paths: list[str]) -> Iterator[dict[str, Any]]:
-    """The outputs of the modules at ``paths`` during the forwards inside the block."""
-    outputs: dict[str, Any] = {}
-    handles = [
-        model.get_submodule(path).register_forward_hook(
-            lambda _m, _i, out, path=path: outputs.__setitem__(path, out)
-        )
-        for path in paths
-    ]
-    try:
-        yield outputs
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _hf_copy() -> nn.Module:
@@ -106,12 +89,8 @@ def test_hooks_carry_hf_values_and_mlp_out_includes_the_gated_shared_expert() ->
 def _hf_patched_logits(path: str, edit: Callable[[Any], Any]) -> torch.Tensor:
     """HF's logits with the output of the module at ``path`` replaced by ``edit(output)``."""
     model = tiny_model("qwen2_moe")
-    handle = model.get_submodule(path).register_forward_hook(lambda _m, _i, out: edit(out))
-    try:
-        with torch.no_grad():
-            return model(TOKENS).logits
-    finally:
-        handle.remove()
+    with torch.no_grad(), replacing(model, {path: edit}):
+        return model(TOKENS).logits
 
 
 def test_patching_mlp_out_acts_as_in_hf() -> None:
