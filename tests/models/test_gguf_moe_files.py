@@ -31,6 +31,7 @@ from gguf_moe_files import (  # noqa: E402
     write_gguf_moe,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
+from module_hooks import recording, replacing  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.gguf_loading import load_gguf_packed  # noqa: E402
@@ -161,6 +162,33 @@ def test_qwen2moe_shared_expert_reads_are_guarded_and_decode_like_transformers(f
     assert torch.equal(shared[1], theirs.up_proj.weight.T)
     assert torch.equal(shared[2], theirs.down_proj.weight.T)
     assert torch.equal(gate, reference.shared_expert_gate.weight[0])
+
+
+def test_qwen2moe_shared_expert_hooks_see_the_loaded_terms(files):
+    """On a GGUF Qwen2-MoE: the routed / shared-expert hooks hold the packed modules' own terms
+    exactly (transformers' dequantizing loader's within the matmul order, as in the logits test),
+    and zeroing the shared term is the model with its shared expert's output zeroed."""
+    path = files["qwen2moe", "Q8_0"]
+    bridge = qlens.load(path, tokenizer=make_tiny_tokenizer())
+    reference = transformers_gguf_model(path)
+    mlp = "model.layers.1.mlp"
+    terms = [f"{mlp}.experts", f"{mlp}.shared_expert", f"{mlp}.shared_expert_gate"]
+    routed, shared = "blocks.1.mlp.hook_routed_out", "blocks.1.mlp.hook_shared_expert_out"
+    with torch.no_grad():
+        with recording(bridge.model, terms) as own, recording(reference, terms) as theirs:
+            expected = bridge.model(TOKENS).logits
+            reference(TOKENS)
+        logits, cache = bridge.run_with_cache(TOKENS, names_filter=[routed, shared])
+        zeroed = bridge.run_with_hooks(TOKENS, fwd_hooks=[(shared, lambda x, hook: 0 * x)])
+        with replacing(bridge.model, {f"{mlp}.shared_expert": torch.zeros_like}):
+            expected_zeroed = bridge.model(TOKENS).logits
+    assert torch.equal(logits, expected)
+    assert torch.equal(zeroed, expected_zeroed) and not torch.equal(zeroed, logits)
+    for hooks, tolerance in ((own, 0.0), (theirs, 1e-5)):
+        gated = torch.sigmoid(hooks[f"{mlp}.shared_expert_gate"]) * hooks[f"{mlp}.shared_expert"]
+        for name, term in ((shared, gated), (routed, hooks[f"{mlp}.experts"])):
+            atol = tolerance * term.abs().max().item()
+            torch.testing.assert_close(cache[name][0], term, rtol=0, atol=atol)
 
 
 def test_dequantize_on_load_gives_transformers_float_experts(files):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dequantized_reference import dequantized_reference
+from module_hooks import recording, replacing
 from tiny_models import input_ids, make_model
 
 from qlens.bridge import Bridge
@@ -89,4 +90,40 @@ def test_a_quantized_qwen2_moe_model_wraps_with_its_shared_expert_quantized() ->
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(
         cache["blocks.0.hook_mlp_out"], reference_mlp_out[0], atol=2e-5, rtol=1e-5
+    )
+
+
+def test_shared_expert_hooks_of_a_quantized_qwen2_moe_model_see_its_own_terms() -> None:
+    """The hooks capture what the quantized modules compute, bit for bit (and, within the
+    reference's rounding, the float model on the dequantized weights), and zeroing the shared
+    term is the quantized model with its shared expert's output zeroed."""
+    import qlens
+
+    model = make_model("qwen2_moe")
+    quantized = qlens.quantize(model, "int4")
+    bridge, ids = Bridge(quantized), input_ids()
+    routed_name, shared_name = "blocks.0.mlp.hook_routed_out", "blocks.0.mlp.hook_shared_expert_out"
+    mlp = "model.layers.0.mlp"
+    terms = [f"{mlp}.experts", f"{mlp}.shared_expert", f"{mlp}.shared_expert_gate"]
+    with torch.no_grad():
+        with recording(quantized, terms) as own:
+            expected = quantized(ids).logits
+        reference = dequantized_reference(model, quantized)
+        with recording(reference, terms) as floats:
+            reference(ids)
+        logits, cache = bridge.run_with_cache(ids, names_filter=[routed_name, shared_name])
+        zeroed = bridge.run_with_hooks(ids, fwd_hooks=[(shared_name, lambda x, h: 0 * x)])
+        with replacing(quantized, {f"{mlp}.shared_expert": torch.zeros_like}):
+            expected_zeroed = quantized(ids).logits
+    assert torch.equal(logits, expected)
+    gated = torch.sigmoid(own[f"{mlp}.shared_expert_gate"]) * own[f"{mlp}.shared_expert"]
+    assert torch.equal(cache[shared_name], gated.reshape(*ids.shape, -1))
+    assert torch.equal(cache[routed_name], own[f"{mlp}.experts"].reshape(*ids.shape, -1))
+    assert torch.equal(zeroed, expected_zeroed) and not torch.equal(zeroed, logits)
+    float_gated = (
+        torch.sigmoid(floats[f"{mlp}.shared_expert_gate"]) * floats[f"{mlp}.shared_expert"]
+    )
+    torch.testing.assert_close(gated, float_gated, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        own[f"{mlp}.experts"], floats[f"{mlp}.experts"], atol=2e-5, rtol=1e-5
     )
