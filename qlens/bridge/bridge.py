@@ -12,6 +12,9 @@ Hook-name conventions (see ``qlens.bridge.names``):
   outputs, hooked as ``blocks.{i}.ln1_post.hook_out`` / ``ln2_post.hook_out``.
 * ``hook_resid_mid`` exists only for sequential attention/MLP (not GPT-NeoX's parallel
   blocks); editing it replaces the attention branch by ``new - resid_pre``.
+* In MoE layers with a shared expert (Qwen2-MoE), ``mlp.hook_routed_out`` (the routed
+  experts' weighted sum) and ``mlp.hook_shared_expert_out`` (the shared expert times its
+  sigmoid gate) are the two terms of ``hook_mlp_out``; an edit to either changes the sum.
 * ``hook_resid_post`` of the last layer is before the final norm.
 * ``hook_embed`` is the token-embedding module's output (Gemma: already scaled by
   sqrt(d_model)); ``hook_pos_embed`` exists only for learned positions (GPT-2, OPT).
