@@ -25,4 +25,5 @@ exec python -m pytest -q -p no:cacheprovider "$@" \
     tests/quant_models/test_load_gpu.py \
     tests/quant_models/test_moe_prefill_gpu.py \
     tests/quant_models/test_split_inputs_gpu.py \
+    tests/quant_models/test_shared_expert_hooks_gpu.py \
     tests/models/test_gguf_written_files_gpu.py
