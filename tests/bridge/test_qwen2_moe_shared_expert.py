@@ -224,3 +224,24 @@ def test_a_shared_expert_without_its_gate_is_refused() -> None:
         "module at the adapter's paths",
     ):
         Bridge(model)
+
+
+def test_generation_with_the_shared_term_edited_at_every_step() -> None:
+    model = tiny_model("qwen2_moe")
+    bridge = Bridge(model)
+    shapes: list[tuple[int, ...]] = []
+
+    def amplify(x: torch.Tensor, hook) -> torch.Tensor:  # noqa: ANN001
+        shapes.append(tuple(x.shape))
+        return 256 * x  # exact: a power of two (see the scaling test)
+
+    prompt = TOKENS[:1]
+    kwargs = dict(max_new_tokens=6, stop_at_eos=False, return_type="tokens")
+    with bridge.hooks(fwd_hooks=[(SHARED, amplify)]):
+        ours = bridge.generate(prompt, **kwargs)
+    with replacing(model, {f"{MLP}.shared_expert": lambda out: 256 * out}):
+        theirs = bridge.generate(prompt, **kwargs)  # no bridge hooks: HF's own generate
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, bridge.generate(prompt, **kwargs))
+    # the prompt, then one new token per step through the KV cache
+    assert shapes == [(1, 7, 64)] + [(1, 1, 64)] * 5
