@@ -45,7 +45,7 @@ class SharedExpertSite(Site):
         # of the block call in progress: its [batch pos], the routed term the sum will use, the
         # ungated shared expert output, then the (hooked) gated one
         seen: dict[str, Any] = {}
-        keep_routed = shared_point.is_active
+        shared_hooked = shared_point.is_active  # the block then returns the hooked sum
 
         def record_shape(_m: nn.Module, args: tuple[Any, ...]) -> None:
             seen["shape"] = args[0].shape[:-1]
@@ -53,7 +53,7 @@ class SharedExpertSite(Site):
         def routed_hook(_m: nn.Module, _args: Any, output: Tensor) -> Tensor:
             if routed_point.is_active:
                 output = routed_point(output.reshape(*seen["shape"], -1)).reshape(output.shape)
-            if keep_routed:
+            if shared_hooked:
                 seen["routed"] = output
             return output
 
@@ -71,7 +71,7 @@ class SharedExpertSite(Site):
             self.mlp.register_forward_pre_hook(record_shape),
             self.experts.register_forward_hook(routed_hook),
         ]
-        if keep_routed:
+        if shared_hooked:
             handles += [
                 self.shared_out.register_forward_hook(record_shared),
                 self.shared_gate.register_forward_hook(gate_hook),
