@@ -137,13 +137,17 @@ def test_editing_the_routed_term_is_editing_hf_experts_output() -> None:
     bridge = Bridge(model)
     noise = torch.randn((*TOKENS.shape, 64), generator=torch.Generator().manual_seed(5))
     hooks = [(ROUTED, lambda x, hook: x + noise)]
+    seen = [ROUTED, "blocks.0.hook_mlp_out"]
     with torch.no_grad():
         ours = bridge.run_with_hooks(TOKENS, fwd_hooks=hooks)
-        both = bridge.run_with_hooks(TOKENS, fwd_hooks=[*hooks, (SHARED, lambda x, h: 0 * x)])
+        with bridge.hooks(fwd_hooks=[*hooks, (SHARED, lambda x, hook: 0 * x)]):
+            both, cache = bridge.run_with_cache(TOKENS, names_filter=seen)
     experts = {f"{MLP}.experts": lambda out: out + noise.reshape(out.shape)}
     assert torch.equal(ours, _hf_logits(model, TOKENS, experts))
     zero_shared = {**experts, f"{MLP}.shared_expert": torch.zeros_like}
     assert torch.equal(both, _hf_logits(model, TOKENS, zero_shared))
+    # hook_mlp_out sees the block's output after both edits: the edited routed term plus zero
+    assert torch.equal(cache["blocks.0.hook_mlp_out"], cache[ROUTED])
 
 
 @settings(max_examples=8, deadline=None)
