@@ -140,6 +140,8 @@ def test_decoder_sparse_step_makes_the_other_layers_dense() -> None:
     bridge = Bridge(model)
     assert "blocks.0.mlp.hook_pre" in bridge.hook_names
     assert "blocks.1.mlp.hook_router_weights" in bridge.hook_names
+    shared = [n for n in bridge.hook_names if "routed" in n or "shared" in n]
+    assert shared == ["blocks.1.mlp.hook_routed_out", "blocks.1.mlp.hook_shared_expert_out"]
     tokens = TOKENS % 100
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(tokens, names_filter=SDPA_NAMES)
