@@ -39,8 +39,15 @@ FUSED_EXPERT_ROWS = 64
 # Prepared launches kept per plan (one per row count, dtype and bias seen, prefill lengths
 # among them); beyond this the table starts afresh.
 _MAX_KEPT_CALLS = 512
-# Schemes whose experts run in one launch per call (contiguous, packed rows in whole words).
-ONE_LAUNCH_SCHEMES = ("int4", "mxfp4", "nvfp4", "fp8-block", "mxfp8", "int8")
+
+
+def one_launch_schemes() -> list[str]:
+    """The quantize schemes whose experts run in one launch per call (contiguous, packed rows
+    in whole words): those of the formats the fused kernels read, from their codecs."""
+    from qlens.kernels.formats import fused_kernel_formats
+    from qlens.quant.codecs.registry import codec_for
+
+    return [codec_for(name).scheme or name for name in fused_kernel_formats()]
 
 
 def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:
@@ -252,7 +259,7 @@ def experts_linear(
 ) -> Float[Tensor, "t n"]:
     """``out[t] = x[t] @ W[expert_ids[t]].T + bias[expert_ids[t]]`` for an experts payload.
 
-    Runs in one launch (no host sync) for contiguous experts of the ``ONE_LAUNCH_SCHEMES``:
+    Runs in one launch (no host sync) for contiguous experts of the ``one_launch_schemes()``:
     packed 4-bit experts in whole int32 words (int4, MXFP4, NVFP4) up to ``FUSED_EXPERT_ROWS``
     rows through the word-wise GEMV, each row reading its own expert's weight (decode); more
     rows, and one-byte experts (fp8-block, MXFP8, int8) at any row count, through the grouped
@@ -329,7 +336,7 @@ def host_routing_under_capture(what: str) -> RuntimeError:
     return RuntimeError(
         f"{what}, which reads the routing on the host, and a CUDA graph capture cannot: compile "
         "without CUDA graphs (torch.compile(model, mode='default')), or quantize the experts "
-        f"with a scheme whose experts run in one launch ({', '.join(ONE_LAUNCH_SCHEMES)}; "
+        f"with a scheme whose experts run in one launch ({', '.join(one_launch_schemes())}; "
         "contiguous, packed 4-bit rows in whole 32-bit words)"
     )
 

@@ -161,8 +161,8 @@ def test_the_expert_loop_refuses_cuda_graph_capture(monkeypatch):
     with pytest.raises(
         RuntimeError,
         match=r"int4 experts of shape \[3, 16, 90\] run one launch per used expert \(packed "
-        r"4-bit rows of 45 bytes, not whole 32-bit words\).*mode='default'.*int4, mxfp4, nvfp4, "
-        r"fp8-block, mxfp8, int8",
+        r"4-bit rows of 45 bytes, not whole 32-bit words\).*mode='default'.*fp8-block, int4, int8, "
+        r"mxfp4, mxfp8, nvfp4",
     ):
         experts_linear(torch.randn(4, 90), odd, ids, ids_in_range=True)
     fp8 = quantize_weight(torch.randn(3, 16, 128), "fp8-block")

@@ -47,6 +47,17 @@ def test_the_family_codes_are_derived_from_the_codecs():
         assert support is not None and support.family == family and support.view is not None
 
 
+def test_the_graph_capture_error_names_the_schemes_read_from_the_codecs():
+    from qlens.kernels.experts import host_routing_under_capture, one_launch_schemes
+
+    schemes = one_launch_schemes()
+    assert sorted(schemes) == ["fp8-block", "int4", "int8", "mxfp4", "mxfp8", "nvfp4"]
+    assert [registry.codec_for(name).scheme for name in fused_kernel_formats()] == schemes
+    message = str(host_routing_under_capture("these experts loop"))
+    assert message.startswith("these experts loop, which reads the routing on the host")
+    assert f"run in one launch ({', '.join(schemes)}; contiguous" in message
+
+
 def test_every_triton_dequantize_is_on_a_registered_codec():
     library = {*BNB_FORMATS, *GGUF_KERNEL_FORMATS, *BITNET_FORMATS}
     with_kernel = {
