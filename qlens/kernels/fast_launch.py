@@ -187,12 +187,7 @@ class PreparedLaunch:
 
     def arguments(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
         """The kernel's positional arguments with ``tensors`` at the slots."""
-        parts = self._parts
-        args = list(parts[0])
-        for tensor, part in zip(tensors, parts[1:], strict=True):
-            args.append(tensor)
-            args.extend(part)
-        return tuple(args)
+        return tuple(_interleave(self._parts, tensors))
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         runtime = self.launcher.runtime()
@@ -223,11 +218,7 @@ class PreparedLaunch:
         metadata = None
         if enter:
             metadata = compiled.launch_metadata(grid, stream, *self.arguments(*tensors), *tail)
-        parts = self._addresses
-        addresses = list(parts[0])
-        for pointer, part in zip(pointers, parts[1:], strict=True):
-            addresses.append(pointer)
-            addresses.extend(part)
+        addresses = _interleave(self._addresses, pointers)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
             metadata, enter, exit_, *addresses, *tail,
@@ -241,6 +232,16 @@ class PreparedLaunch:
             for key in self.launcher._compiled
             if type(key[1]) is int and key[1] == site
         ]
+
+
+def _interleave(parts: tuple[tuple[Any, ...], ...], slotted: Sequence[Any]) -> list[Any]:
+    """``parts[0], slotted[0], parts[1], slotted[1], ...`` flattened: fixed arguments and the
+    values at the slots between them."""
+    args = list(parts[0])
+    for value, part in zip(slotted, parts[1:], strict=True):
+        args.append(value)
+        args.extend(part)
+    return args
 
 
 def _address(arg: Any) -> Any:
