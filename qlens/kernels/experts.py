@@ -14,7 +14,7 @@ from torch import Tensor
 from qlens.kernels.configs import choose_config
 from qlens.kernels.dispatch import quantized_linear
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
-from qlens.kernels.runtime import kernel_device_problem
+from qlens.kernels.runtime import capturing_cuda_graph, kernel_device_problem
 from qlens.kernels.weights import (
     KernelWeight,
     cached_on_payload,
@@ -311,11 +311,6 @@ def experts_linear(
             out[token_rows] = quantized_linear(x[token_rows], views[expert], b, w8a8=w8a8)
             start += count
     return out
-
-
-def capturing_cuda_graph(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` (a CUDA device) is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def require_no_graph_capture(payload: QuantPayload, device: torch.device, w8a8: bool) -> None:

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.runtime import capturing_cuda_graph
 from qlens.quant.payload_spec import spec_from_key
 
 
@@ -24,7 +25,6 @@ def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) 
     graph capture (``mode="reduce-overhead"``, transformers' static-cache compile) one row is
     regrouped before the packed GEMV: the replayed graph pays no host time for the extra
     launch and gains the faster kernel. Otherwise, as eagerly, it is read as it is."""
-    from qlens.kernels.experts import capturing_cuda_graph
     from qlens.kernels.plan import linear
 
     capturing = capturing_cuda_graph(x.device)

@@ -62,3 +62,8 @@ def gpu_name(device: torch.device) -> str:
 @functools.cache
 def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+def capturing_cuda_graph(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA device) is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

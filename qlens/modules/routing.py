@@ -8,7 +8,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.experts import capturing_cuda_graph, host_routing_under_capture
+from qlens.kernels.experts import host_routing_under_capture
+from qlens.kernels.runtime import capturing_cuda_graph
 
 ExpertFn = Callable[[int, Tensor], Tensor]
 RowsFn = Callable[[Tensor, Tensor], Tensor]

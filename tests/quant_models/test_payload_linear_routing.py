@@ -133,8 +133,7 @@ def test_op_regroups_one_row_under_graph_capture_only(monkeypatch) -> None:
     """``qlens::linear`` (what compiled code calls) takes the plan that regroups a single row
     before the packed GEMV while a CUDA graph is being captured, and the one that reads it as
     it is otherwise (as eager calls do). Two plans, kept apart on the payload."""
-    import qlens.kernels.experts as experts
-    import qlens.kernels.ops  # noqa: F401 - registers torch.ops.qlens
+    import qlens.kernels.ops as ops  # registers torch.ops.qlens
     from qlens.quant.payload_spec import PayloadSpec
 
     payload = quantize_weight(torch.randn(8, 64), "int4")
@@ -151,7 +150,7 @@ def test_op_regroups_one_row_under_graph_capture_only(monkeypatch) -> None:
     x = torch.randn(1, 64)
     eager = plan.linear(x, payload)
     assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
-    monkeypatch.setattr(experts, "capturing_cuda_graph", lambda device: True)
+    monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
     assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
     assert seen == [True, True, False]
     regrouped = real(payload, META, x_as_is=False)
