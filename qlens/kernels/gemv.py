@@ -23,6 +23,7 @@ from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
+from qlens.kernels.layout_view import INT4
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
@@ -118,10 +119,12 @@ class PackedGemv:
     launches (plus the split reduction when K is split).
 
     ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
-    one launch; else ``x`` is regrouped first (``permute_codes``, one more launch), which makes
-    the kernel itself faster (``benchmarks/tuning/results/x_as_is_h200.md``: 28672 x 4096 MXFP4
-    34.8 against 64.5 us in a CUDA graph, while eager calls took 53.1 against 64.7 us). Rows
-    on tensor cores always take ``x`` regrouped.
+    one launch. ``x_as_is=False`` lets an E2M1 (MXFP4, NVFP4) row be regrouped first
+    (``permute_codes``, one more launch), which makes that kernel faster where launches cost
+    no host time (in a CUDA graph, 28672 x 4096 MXFP4 34.4 against 58.9 us); int4 rows are read
+    as they are either way (26.5 against 28.0 us, the regrouping included;
+    ``benchmarks/tuning/results/x_as_is_h200.md``). Rows on tensor cores always take ``x``
+    regrouped.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""
@@ -149,7 +152,7 @@ class PackedGemv:
         self.partials_shape = (split, m, w.n) if split > 1 else None
         self.reduce = prepared_reduce(split, m, w.n, has_bias, device, words) if split > 1 else None
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
-        self.regroup = use_dot or not x_as_is
+        self.regroup = use_dot or (not x_as_is and w.family != INT4)
         if self.regroup:
             n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
             stride_xm, stride_xj = 8 * n_words, n_words

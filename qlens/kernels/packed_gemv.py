@@ -16,8 +16,9 @@ and multiplied by the group scale once per word instead of once per code. The pr
 ``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
 (``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
 activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
-code position); it reads ``x`` in the caller's layout and dtype, code ``j`` of each word eight
-elements apart, so a call launches nothing but the GEMV. For two rows or more the decoded,
+code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
+``[words, 8]`` load split into the eight code positions in registers, so a call launches
+nothing but the GEMV. For two rows or more the decoded,
 scaled codes feed tensor-core dots, one per code position (an ``[M, N, words]`` FMA product for
 2-4 rows ran at 0.06-0.07x bf16 on the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on
 ``x`` regrouped by code position (``qlens.kernels.gemv.permute_codes``).
@@ -165,6 +166,28 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 
 @triton.jit
 @no_type_check
+def _natural_x(row, offs_w, K, WORDS: tl.constexpr, MASK_K: tl.constexpr):
+    """The eight code positions of ``x`` read as the caller holds it: ``x[8 w + j]`` for
+    ``j = 0..7``, each ``[1, WORDS]`` float32, from one contiguous ``[1, WORDS, 8]`` load
+    split in registers (three halvings of the last axis)."""
+    offs = offs_w[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    if MASK_K:
+        x = tl.load(row[:, :, None] + offs, mask=offs < K, other=0.0)
+    else:
+        x = tl.load(row[:, :, None] + offs)
+    x = x.to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (1, WORDS, 4, 2)))  # j = 2a, 2a + 1
+    e0, e1 = tl.split(tl.reshape(even, (1, WORDS, 2, 2)))  # j in (0, 4), (2, 6)
+    o0, o1 = tl.split(tl.reshape(odd, (1, WORDS, 2, 2)))  # j in (1, 5), (3, 7)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+@no_type_check
 def _fma_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
@@ -184,21 +207,21 @@ def _fma_tile(
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
+    row = xp_ptr + offs_m[:, None] * stride_xm
     if X_NATURAL:
-        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w * 8
-        x_ok = offs_w * 8 < K
-    else:
-        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
-        x_ok = offs_w < stride_xj
+        xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
+    x_ok = offs_w < stride_xj
     scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        if MASK_K:
-            x = tl.load(x_ptrs + j * stride_xj, mask=x_ok, other=0.0).to(tl.float32)
+        if X_NATURAL:
+            x = xs[j]
+        elif MASK_K:
+            x = tl.load(row + offs_w + j * stride_xj, mask=x_ok, other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_ptrs + j * stride_xj).to(tl.float32)
+            x = tl.load(row + offs_w + j * stride_xj).to(tl.float32)
         w = _code(state, zero, j, FAMILY, USE_ASM)
         if j == 0:
             part = w * x

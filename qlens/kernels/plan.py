@@ -58,10 +58,10 @@ class LinearPlan:
     On the kernel route each (row count, activation dtype, bias or none) gets its launch
     prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
     so a later call allocates the output and launches. ``route`` overrides the choice (the
-    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` regroups a
-    single row before the packed 4-bit GEMV (one more launch, a faster kernel: what a CUDA
-    graph wants, since its replays cost no host time a launch; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps
-    it on the payload.
+    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` lets a
+    single E2M1 row be regrouped before the packed GEMV (one more launch, a faster kernel:
+    what a CUDA graph wants, since its replays cost no host time a launch; see
+    ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps it on the payload.
     """
 
     def __init__(

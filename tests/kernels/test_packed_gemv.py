@@ -191,3 +191,16 @@ def test_word_kernel_is_the_default_and_can_be_turned_off(monkeypatch):
     reference = _reference(x, payload)
     assert rel_err(word, reference) < TOLERANCE[torch.float32]
     assert rel_err(byte, reference) < TOLERANCE[torch.float32]
+
+
+def test_only_e2m1_rows_are_regrouped_when_allowed():
+    # One int4 row reads x as it is even where regrouping is allowed (as fast in a CUDA graph,
+    # with no extra launch); one E2M1 row is regrouped there; more rows always are.
+    cfg = LinearConfig("gemv", 16, 32, 128)
+    for scheme, regrouped in (("int4", False), ("mxfp4", True), ("nvfp4", True)):
+        view = kernel_weight(quantized(32, 128, (scheme, {})))
+        assert gemv.prepare_gemv(view, 1, torch.bfloat16, False, cfg, x_as_is=False).regroup is (
+            regrouped
+        )
+        assert not gemv.prepare_gemv(view, 1, torch.bfloat16, False, cfg).regroup
+        assert gemv.prepare_gemv(view, 3, torch.bfloat16, False, cfg).regroup
