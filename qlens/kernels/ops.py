@@ -15,20 +15,22 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.op_payloads import payload_for_op
 from qlens.kernels.runtime import capturing_cuda_graph
 from qlens.quant.payload_spec import spec_from_key
 
 
 @torch.library.custom_op("qlens::linear", mutates_args=())
 def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
-    """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)``. Under CUDA
-    graph capture (``mode="reduce-overhead"``, transformers' static-cache compile) one row is
-    regrouped before the packed GEMV: the replayed graph pays no host time for the extra
-    launch and gains the faster kernel. Otherwise, as eagerly, it is read as it is."""
+    """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)`` (the module's
+    own payload and kept plan when it offered them: ``op_payloads``). Under CUDA graph capture
+    (``mode="reduce-overhead"``, transformers' static-cache compile) one E2M1 row is regrouped
+    before the packed GEMV: the replayed graph pays no host time for the extra launch and
+    gains the faster kernel. Otherwise, as eagerly, it is read as it is."""
     from qlens.kernels.plan import linear
 
     capturing = capturing_cuda_graph(x.device)
-    return linear(x, spec_from_key(spec).build(tensors), bias, x_as_is=not capturing)
+    return linear(x, payload_for_op(spec, tensors), bias, x_as_is=not capturing)
 
 
 @linear_op.register_fake
@@ -80,7 +82,7 @@ def experts_linear_op(
     payload ``spec_from_key(spec).build(tensors)``, plus that expert's bias row."""
     from qlens.kernels.experts import rows_through_experts
 
-    return rows_through_experts(x, spec_from_key(spec).build(tensors), expert_ids, bias)
+    return rows_through_experts(x, payload_for_op(spec, tensors), expert_ids, bias)
 
 
 @experts_linear_op.register_fake

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qlens.kernels.experts import ExpertsPlan, experts_plan_for
+from qlens.kernels.op_payloads import offer_to_ops
 from qlens.kernels.plan import LinearPlan, plan_for
 from qlens.modules.dispatch import check_payload_device
 from qlens.quant.payload import QuantPayload
@@ -56,6 +57,7 @@ class PayloadModule(nn.Module):
         self.forget_prepared()
         for name, tensor in payload.tensors().items():
             self.register_buffer(buffer_name(prefix, name), tensor)
+        self.prepare_payloads()
 
     def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
         """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
@@ -76,6 +78,7 @@ class PayloadModule(nn.Module):
         tensors = tuple(self.payload_tensors(prefix))
         payload = spec.build(tensors)
         self._prepared[prefix] = (tensors, payload)
+        offer_to_ops(payload, tensors, self._payload_keys[prefix])
         return payload
 
     def linear_plan(self, prefix: str, x: torch.Tensor) -> LinearPlan:
@@ -118,6 +121,13 @@ class PayloadModule(nn.Module):
         self._prepared.clear()
         self._plans.clear()
 
+    def prepare_payloads(self) -> None:
+        """Build the payloads on the buffers as they are now, offered to the ``qlens::`` ops
+        (``offer_to_ops``), so a compiled forward reaches their kept plans even when no eager
+        forward ran first."""
+        for prefix in self._payload_specs:
+            self.payload_for(prefix)
+
     def _payload_buffer_names(self) -> list[str]:
         return [name for names in self._payload_buffers.values() for name in names]
 
@@ -131,8 +141,10 @@ class PayloadModule(nn.Module):
             if original is not None and moved is not None and moved.dtype != original.dtype:
                 self._buffers[name] = original.to(device=moved.device)
         self.forget_prepared()
+        self.prepare_payloads()
         return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self.forget_prepared()
+        self.prepare_payloads()

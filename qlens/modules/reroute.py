@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from qlens.kernels.experts import experts_plan_for
+from qlens.kernels.op_payloads import offer_to_ops
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import plan_for
 from qlens.modules.dispatch import (
@@ -208,7 +209,9 @@ def _op_arguments(
     payloads: QuantPayload | dict[str, QuantPayload],
 ) -> OpArguments | dict[str, OpArguments]:
     def one(p: QuantPayload) -> OpArguments:
-        return list(p.tensors().values()), PayloadSpec.of(p).key, int(p.shape[0])
+        tensors, key = list(p.tensors().values()), PayloadSpec.of(p).key
+        offer_to_ops(p, tensors, key)
+        return tensors, key, int(p.shape[0])
 
     return one(payloads) if isinstance(payloads, QuantPayload) else {
         name: one(p) for name, p in payloads.items()

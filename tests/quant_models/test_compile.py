@@ -207,3 +207,79 @@ def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
     x = torch.randn(2, 128)
     compiled = torch.compile(holder, backend="aot_eager")(x)
     assert torch.equal(compiled, holder(x))
+
+
+class _Builds:
+    """Payloads and launch plans constructed, counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import qlens.kernels.experts as kernel_experts
+        import qlens.kernels.plan as plan
+        from qlens.quant.payload import QuantPayload
+
+        self.count = 0
+        for owner, name in ((QuantPayload, "__init__"), (plan.LinearPlan, "__init__"),
+                            (kernel_experts.ExpertsPlan, "__init__")):  # fmt: skip
+            original = getattr(owner, name)
+
+            def counted(obj, *args, _original=original, **kwargs):
+                self.count += 1
+                _original(obj, *args, **kwargs)
+
+            monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("llama", "int4"), ("qwen3_moe", "mxfp4")])
+def test_compiled_calls_build_no_payload_or_plan(family: str, scheme: str, monkeypatch) -> None:
+    """Outside CUDA graphs a compiled graph runs the ops' bodies on every call: they reach the
+    modules' kept payloads and plans by their tensors, also when no eager call ran first and
+    after a device move."""
+    model = quantize(make_model(family), scheme).to("cpu")
+    builds = _Builds(monkeypatch)
+    ids = input_ids()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        first = compiled(ids).logits
+        after_first = builds.count
+        for _ in range(3):
+            assert torch.equal(compiled(ids).logits, first)
+    assert builds.count == after_first
+    assert torch.equal(first, model(ids).logits)
+
+
+def test_rerouted_linear_compiled_calls_build_no_payload(monkeypatch) -> None:
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
+    with torch.no_grad():
+        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
+        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
+    holder = torch.nn.Sequential(layer)
+    reroute_quantized_modules(holder, force=True)
+    compiled = torch.compile(holder, backend="aot_eager")
+    x = torch.randn(2, 128)
+    first = compiled(x)
+    builds = _Builds(monkeypatch)
+    for _ in range(3):
+        assert torch.equal(compiled(x), first)
+    assert builds.count == 0
+
+
+def test_ops_take_the_offered_payload_only_for_its_own_tensors() -> None:
+    import gc
+
+    from qlens.kernels.op_payloads import offer_to_ops, payload_for_op
+
+    payload = quantize_weight(torch.randn(32, 64), "int4")
+    tensors = list(payload.tensors().values())
+    key = PayloadSpec.of(payload).key
+    offer_to_ops(payload, tensors, key)
+    assert payload_for_op(key, tensors) is payload
+    clones = [t.clone() for t in tensors]
+    other = payload_for_op(key, clones)  # equal values, other tensors: built from them
+    assert other is not payload and other.data is clones[0]
+    wider = PayloadSpec.of(quantize_weight(torch.randn(32, 128), "int4")).key
+    assert payload_for_op(wider, tensors) is not payload  # another spec: built, not offered
+    del payload
+    gc.collect()  # the offer lasts only as long as its payload
+    assert payload_for_op(key, tensors).data is tensors[0]
