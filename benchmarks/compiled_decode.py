@@ -1,0 +1,185 @@
+"""Where compiled decode time goes, per scheme against bf16: transformers' static-cache compiled
+``generate`` (``mode="reduce-overhead"``), its wall time per token against the GPU kernel time
+per token (torch.profiler, one more ``generate``), with dynamo's graph breaks, inductor's
+CUDA-graph skips and the host events with the most self time.
+
+Run on a CUDA GPU from the repository root:
+``python benchmarks/compiled_decode.py --size 8b --schemes int4,nvfp4,mxfp4,fp8-block``; prints
+markdown (and writes it to ``$OUT/compiled_decode_<size>.md`` when ``$OUT`` is set). The wall
+ratio is what a user gets; the kernel ratio is what the kernels give; the difference between
+wall and kernel time per token is the host time the generate loop does not overlap."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+
+from benchmarks._e2e_models import build_model, shapes  # noqa: E402
+from benchmarks._timing import header, publish  # noqa: E402
+from benchmarks.e2e_model import (  # noqa: E402
+    PROMPT_TOKENS,
+    Workload,
+    compiled_tokens_per_s,
+    decode_call,
+    error_cell,
+    forget_compiled,
+    hf_generate,
+)
+
+
+def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, Counter, Counter]:
+    """GPU kernel microseconds and kernel count of one compiled ``generate`` (after it ran
+    compiled), the microseconds per kernel name and the host's self microseconds per event."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    run = decode_call(
+        hf_generate(model), work, work.decode_tokens,
+        cache_implementation="static", compile_config=config,
+    )  # fmt: skip
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        torch.cuda.synchronize()
+    by_name: Counter = Counter()
+    host: Counter = Counter()
+    count = 0
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            by_name[event.name] += event.time_range.elapsed_us()
+            count += 1
+        else:
+            host[event.name] += event.self_cpu_time_total
+    return sum(by_name.values()), count, by_name, host
+
+
+def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = "library") -> dict:
+    """One row; ``graph_x="as-is"`` makes captured one-row packed GEMVs read ``x`` as it is
+    (the library regroups it while capturing), to compare the two in one run."""
+    from torch._dynamo.utils import counters
+
+    import qlens.kernels.ops as ops
+
+    counters.clear()
+    torch._dynamo.reset()
+    cells: dict = {"scheme": scheme if graph_x == "library" else f"{scheme} (x {graph_x})"}
+    captured = ops.capturing_cuda_graph
+    if graph_x == "as-is":
+        ops.capturing_cuda_graph = lambda device: False
+    try:
+        cells["tok_s"] = compiled_tokens_per_s(model, work)
+        cells["graph_breaks"] = sum(counters["graph_break"].values())
+        cells["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+        kernel_us, count, by_name, host = kernel_profile(model, work)
+        cells["kernel_us"] = kernel_us / work.decode_tokens
+        cells["kernels"] = count / work.decode_tokens
+        cells["top"] = [(name, us / work.decode_tokens) for name, us in by_name.most_common(5)]
+        cells["host"] = [(name, us / work.decode_tokens) for name, us in host.most_common(6)]
+    except Exception as err:  # noqa: BLE001 - the other schemes still run
+        cells["error"] = error_cell(err)
+    finally:
+        ops.capturing_cuda_graph = captured
+    forget_compiled(model)
+    print(f"<!-- {cells} -->", flush=True)
+    return cells
+
+
+def table(rows: list[dict]) -> list[str]:
+    bf16 = rows[0]
+    lines = [
+        "| scheme | compiled tok/s | vs bf16 | wall us/token | GPU kernel us/token | kernel "
+        "speed-up vs bf16 | kernels/token | graph breaks | cudagraph skips |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['scheme']} | {row['error']} |" + " |" * 7)
+            continue
+        wall = 1e6 / row["tok_s"]
+        speed = row["tok_s"] / bf16["tok_s"] if "tok_s" in bf16 else float("nan")
+        kernel = bf16.get("kernel_us", float("nan")) / row["kernel_us"]
+        lines.append(
+            f"| {row['scheme']} | {row['tok_s']:.1f} | {speed:.2f}x | {wall:.0f} | "
+            f"{row['kernel_us']:.0f} | {kernel:.2f}x | {row['kernels']:.0f} | "
+            f"{row['graph_breaks']} | {row['cudagraph_skips']} |"
+        )
+    lines += ["", "Largest kernels per scheme (us per token, share of kernel time):", ""]
+    for row in rows:
+        if "top" in row:
+            parts = [
+                f"`{name[:60]}` {us:.0f} ({us / row['kernel_us']:.0%})" for name, us in row["top"]
+            ]
+            lines.append(f"- {row['scheme']}: " + "; ".join(parts))
+    lines += ["", "Host events with the most self time per token (us, under the profiler):", ""]
+    for row in rows:
+        if "host" in row:
+            parts = [f"`{name[:50]}` {us:.0f}" for name, us in row["host"]]
+            lines.append(f"- {row['scheme']}: " + "; ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("1b", "8b", "moe"), default="8b")
+    parser.add_argument("--schemes", default="int4,nvfp4,mxfp4,fp8-block")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--graph-x-as-is",
+        action="store_true",
+        help="also time packed 4-bit schemes with captured one-row GEMVs reading x as it is",
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    import qlens
+
+    shape = shapes(False, None)[args.size]
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    vocab = shape.config["vocab_size"]
+    work = Workload(
+        tokens=torch.randint(0, vocab, (1, 8), generator=gen).to(device),
+        prompt=torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=gen).to(device),
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats,
+        compile_backend="inductor",
+    )
+    base = build_model(shape, device)
+    rows = [measure("bf16", base, work)]
+    for scheme in args.schemes.split(","):
+        model = qlens.quantize(base, scheme)
+        rows.append(measure(scheme, model, work))
+        if args.graph_x_as_is and scheme in ("int4", "mxfp4", "nvfp4"):
+            rows.append(measure(scheme, model, work, graph_x="as-is"))
+        del model
+        torch.cuda.empty_cache()
+    text = "\n".join(
+        [
+            header(
+                f"Compiled static-cache decode, {shape.label}: wall time against kernel time",
+                f"transformers' compiled static-cache generate (reduce-overhead), "
+                f"{args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, "
+                f"median of {args.repeats} after two compiling runs; kernel time: torch.profiler "
+                "over one more generate (the eager prefill's kernels included), per new token",
+                ["transformers"],
+            ),
+            *table(rows),
+        ]
+    )
+    publish(text, f"compiled_decode_{args.size}.md")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
