@@ -53,13 +53,12 @@ def place_experts(
     activation: str,
     dtype: torch.dtype,
     file_name: str,
-    file_width: int | None = None,
     size_names: tuple[str, str] = MOE_SIZE_NAMES,
 ) -> None:
     """Put one layer's expert tensors (gguf-py ``ReaderTensor``s) at ``module_name``: a
     ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed.
-    ``file_width``: the file's ``expert_feed_forward_length``, named when the shapes disagree;
-    ``size_names``: the config's expert count and width fields, named then too."""
+    ``size_names``: the config's expert count and width fields, named when the shapes
+    disagree."""
     from qlens.quant.codecs.gguf import GGML_TYPES
 
     by_part = {_layer_and_part(t.name)[1]: t for t in tensors}
@@ -68,7 +67,7 @@ def place_experts(
         layer, _ = _layer_and_part(tensors[0].name)
         names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
         raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
-    _check_shapes(model, module_name, by_part, file_name, file_width, size_names)
+    _check_shapes(model, module_name, by_part, file_name, size_names)
     types = {part: int(t.tensor_type) for part, t in by_part.items()}
     if types["gate"] == types["up"] and all(t in GGML_TYPES for t in types.values()):
         model.set_submodule(module_name, _packed_experts(by_part, types, activation))
@@ -90,7 +89,6 @@ def _check_shapes(
     module_name: str,
     by_part: dict[str, Any],
     file_name: str,
-    file_width: int | None,
     size_names: tuple[str, str],
 ) -> None:
     """Raise naming the first expert tensor whose shape the model's experts module does not take."""
@@ -107,19 +105,11 @@ def _check_shapes(
         shape = _logical_shape(tensor)
         if shape == expected[part]:
             continue
-        if file_width is not None and file_width != intermediate:
-            why = (
-                f"the file's expert_feed_forward_length is {file_width}, but transformers' GGUF "
-                f"config reader does not read it and keeps {size_names[1]}={intermediate} "
-                "(the config class's default), so neither qlens nor transformers can load this file"
-            )
-        else:
-            why = "the file does not match its own metadata"
         raise ValueError(
             f"{file_name}: {tensor.name} has shape {list(shape)} [experts, out, in], but the model "
             f"built from the file's config expects {list(expected[part])} at {module_name} "
             f"({size_names[0]}={num_experts}, {size_names[1]}={intermediate}, "
-            f"hidden_size={hidden}): {why}"
+            f"hidden_size={hidden}): the file does not match its own metadata"
         )
 
 

@@ -159,7 +159,7 @@ def _load_with_qlens_reader(
     )
 
     from qlens.gguf_experts import MOE_SIZE_NAMES, expert_tensor_base, place_experts
-    from qlens.gguf_metadata import int_field
+    from qlens.gguf_metadata import set_expert_widths
     from qlens.gguf_mixtral import (
         MIXTRAL_SIZE_NAMES,
         is_mixtral_file,
@@ -177,6 +177,7 @@ def _load_with_qlens_reader(
         config = mixtral_config(path, reader)
     else:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        set_expert_widths(config, reader, architecture)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
@@ -218,15 +219,11 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
-    # Qwen-MoE files' expert width, which transformers' config reader ignores; Mixtral's experts
-    # are feed_forward_length wide, which the config holds.
-    width_key = f"{architecture}.expert_feed_forward_length"
-    file_width = None if mixtral else int_field(reader, width_key)
     size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(
             model, module_name, tensors, activation=str(config.hidden_act), dtype=dtype,
-            file_name=path.name, file_width=file_width, size_names=size_names,
+            file_name=path.name, size_names=size_names,
         )  # fmt: skip
         loaded.update(f"{module_name}.{leaf}" for leaf in ("gate_up_proj", "down_proj"))
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():

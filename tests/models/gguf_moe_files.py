@@ -24,7 +24,8 @@ from qlens.modules import QuantExperts
 MOE_ARCHS = ("qwen3moe", "qwen2moe")
 NUM_EXPERTS, TOP_K, HIDDEN, N_LAYERS, N_HEADS, N_KV_HEADS = 4, 2, 256, 2, 4, 2
 # transformers' GGUF config reader does not read the expert widths of these architectures
-# (expert_feed_forward_length...), so the files use the config classes' defaults.
+# (expert_feed_forward_length...), so files its loader must read too use the config classes'
+# defaults (qlens reads the widths from the file).
 MOE_INTERMEDIATE = {"qwen3moe": 768, "qwen2moe": 1408}
 SHARED_INTERMEDIATE = 5632  # Qwen2MoeConfig's default
 

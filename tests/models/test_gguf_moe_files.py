@@ -252,11 +252,11 @@ BROKEN = {
         r"blk\.0\.ffn_gate_exps\.weight has shape \[3, 768, 256\] .* expects \[4, 768, 256\] "
         r".*: the file does not match its own metadata",
     ),
-    "wider-experts": (
-        {"expert_width": 512},
+    "mislabelled-width": (
+        {"expert_width": 512, "declared_width": 768},
         {},
-        r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* the file's expert_feed_forward_length "
-        r"is 512, but transformers' GGUF config reader does not read it",
+        r"ffn_gate_exps\.weight has shape \[4, 512, 256\] .* expects \[4, 768, 256\] .*: the file "
+        r"does not match its own metadata",
     ),
     "no-down": (
         {},
@@ -269,17 +269,21 @@ BROKEN = {
 @pytest.mark.parametrize("case", BROKEN)
 def test_experts_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, case):
     model_kwargs, write_kwargs, error = BROKEN[case]
+    declared = model_kwargs.pop("declared_width", None)
+    model = make_gguf_moe("qwen3moe", **model_kwargs)
+    if declared is not None:  # the metadata names another width than the tensors have
+        model.config.moe_intermediate_size = declared
     path = write_gguf_moe(
-        make_gguf_moe("qwen3moe", **model_kwargs), tmp_path / "broken.gguf", "qwen3moe",
-        lambda _: "Q8_0", **write_kwargs,
-    )  # fmt: skip
+        model, tmp_path / "broken.gguf", "qwen3moe", lambda _: "Q8_0", **write_kwargs
+    )
     with pytest.raises(ValueError, match=error):
         _qlens_model(path)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "F32"])  # a packed linear, a float one
 def test_linears_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, kind):
-    model = make_gguf_moe("qwen2moe", shared_width=512)  # the config reads 5632
+    model = make_gguf_moe("qwen2moe", shared_width=512)
+    model.config.shared_expert_intermediate_size = 5632  # what the metadata will say
     path = write_gguf_moe(model, tmp_path / "shared.gguf", "qwen2moe", lambda _: kind)
     with pytest.raises(
         ValueError, match=r"shared\.gguf: blk\.0\.ffn_gate_shexp\.weight holds a \[512, 256\] "
@@ -297,3 +301,30 @@ def test_llama_file_with_stacked_experts_but_no_expert_count_is_refused(tmp_path
         r"them \(a Mixtral file says how many experts it has in llama\.expert_count",
     ):  # fmt: skip
         qlens.load(path, tokenizer=make_tiny_tokenizer())
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+@pytest.mark.parametrize(
+    ("arch", "widths"),
+    [("qwen3moe", {"expert_width": 512}), ("qwen2moe", {"expert_width": 256, "shared_width": 512})],
+    ids=["qwen3moe", "qwen2moe"],
+)
+def test_expert_widths_come_from_the_file(tmp_path, arch, widths, kind):
+    """transformers' GGUF config reader keeps the config classes' default expert widths;
+    qlens takes the file's (``expert_feed_forward_length``, Qwen2-MoE's
+    ``expert_shared_feed_forward_length``), so MoE files of any width load."""
+    model = make_gguf_moe(arch, **widths)
+    path = write_gguf_moe(model, tmp_path / "wide.gguf", arch, lambda _: kind)
+    loaded = _qlens_model(path)
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        assert getattr(loaded.config, field, None) == getattr(model.config, field, None), field
+    if kind == "F32":  # the file holds the model's own values: the same logits
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            got, expected = loaded(ids).logits, model(ids).logits
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+        return
+    expected_values = gguf_py_values(gguf.GGUFReader(str(path)))
+    types = _file_types(path)
+    for index, layer in enumerate(loaded.model.layers):
+        assert_experts_are_the_files_blocks(layer.mlp.experts, index, types, expected_values)
