@@ -195,7 +195,8 @@ def test_hooks_added_before_compiling_fire_in_the_compiled_model(backend: str) -
         assert not torch.equal(bridge(ids), eager)  # the edit was real
 
 
-def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
+def _rerouted_fp8_holder() -> torch.nn.Sequential:
+    """A transformers ``FP8Linear`` (128 -> 64, one block scale) in a holder, rerouted."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
     layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
@@ -204,6 +205,11 @@ def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
         layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
     holder = torch.nn.Sequential(layer)
     reroute_quantized_modules(holder, force=True)
+    return holder
+
+
+def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
+    holder = _rerouted_fp8_holder()
     x = torch.randn(2, 128)
     compiled = torch.compile(holder, backend="aot_eager")(x)
     assert torch.equal(compiled, holder(x))
@@ -248,15 +254,7 @@ def test_compiled_calls_build_no_payload_or_plan(family: str, scheme: str, monke
 
 
 def test_rerouted_linear_compiled_calls_build_no_payload(monkeypatch) -> None:
-    from transformers.integrations.finegrained_fp8 import FP8Linear
-
-    layer = FP8Linear(128, 64, block_size=(128, 128), has_bias=True)
-    with torch.no_grad():
-        layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
-        layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
-    holder = torch.nn.Sequential(layer)
-    reroute_quantized_modules(holder, force=True)
-    compiled = torch.compile(holder, backend="aot_eager")
+    compiled = torch.compile(_rerouted_fp8_holder(), backend="aot_eager")
     x = torch.randn(2, 128)
     first = compiled(x)
     builds = _Builds(monkeypatch)
