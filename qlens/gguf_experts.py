@@ -7,15 +7,18 @@ module's ``gate_up_proj [experts, 2 * intermediate, hidden]`` and takes down as 
 [experts, hidden, intermediate]``. GGML blocks run along the input dim, so stacking rows stacks
 whole rows of blocks: qlens concatenates the packed gate and up rows the same way and keeps
 them as GGUF payloads. Experts whose gate and up differ in type, or of a type qlens has no codec
-for, are dequantized by gguf-py exactly as transformers does (and logged).
+for, are dequantized by gguf-py exactly as transformers does (and logged). Older Mixtral files
+store one tensor per expert; ``qlens.gguf_per_expert`` gathers them into the same stacked form.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,10 +38,22 @@ def expert_tensor_base(name: str) -> str | None:
     return None if match is None else name.removesuffix(".weight")
 
 
-def _layer_and_part(name: str) -> tuple[str, str]:
-    match = EXPERT_TENSOR.fullmatch(name)
-    assert match is not None, name
+def _layer_and_part(tensor: Any) -> tuple[str, str]:
+    from qlens.gguf_per_expert import PerExpertTensors
+
+    if isinstance(tensor, PerExpertTensors):
+        return tensor.layer, tensor.part
+    match = EXPERT_TENSOR.fullmatch(tensor.name)
+    assert match is not None, tensor.name
     return match["layer"], match["part"]
+
+
+def _expert_data(tensor: Any) -> Sequence[np.ndarray]:
+    """Each expert's data, as gguf-py maps it from the file: views along a stacked tensor's first
+    axis, or the tensors of a ``PerExpertTensors``."""
+    from qlens.gguf_per_expert import PerExpertTensors
+
+    return tensor.expert_data if isinstance(tensor, PerExpertTensors) else tensor.data
 
 
 def _logical_shape(tensor: Any) -> tuple[int, ...]:
@@ -55,16 +70,22 @@ def place_experts(
     file_name: str,
     size_names: tuple[str, str] = MOE_SIZE_NAMES,
 ) -> None:
-    """Put one layer's expert tensors (gguf-py ``ReaderTensor``s) at ``module_name``: a
-    ``QuantExperts`` over GGUF payloads, or the float weights where they cannot stay packed.
-    ``size_names``: the config's expert count and width fields, named when the shapes
-    disagree."""
+    """Put one layer's expert tensors (gguf-py ``ReaderTensor``s of stacked experts, or
+    ``PerExpertTensors``) at ``module_name``: a ``QuantExperts`` over GGUF payloads, or the float
+    weights where they cannot stay packed. ``size_names``: the config's expert count and width
+    fields, named when the shapes disagree."""
     from qlens.quant.codecs.gguf import GGML_TYPES
 
-    by_part = {_layer_and_part(t.name)[1]: t for t in tensors}
+    by_part = {_layer_and_part(t)[1]: t for t in tensors}
+    if len(by_part) < len(tensors):
+        raise ValueError(
+            f"{file_name} holds the experts of {module_name} twice, stacked and one tensor per "
+            f"expert ({', '.join(t.name for t in tensors)}); a file stores each layer's experts "
+            "one way. Convert the original checkpoint again."
+        )
     missing = [p for p in PARTS if p not in by_part]
     if missing:
-        layer, _ = _layer_and_part(tensors[0].name)
+        layer, _ = _layer_and_part(tensors[0])
         names = ", ".join(f"blk.{layer}.ffn_{p}_exps.weight" for p in missing)
         raise ValueError(f"{file_name} lacks {names} (the layer's other expert tensors are there)")
     _check_shapes(model, module_name, by_part, file_name, size_names)
@@ -114,33 +135,33 @@ def _check_shapes(
 
 
 def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: str) -> nn.Module:
-    import numpy as np
-
     from qlens.modules import ExpertGate, QuantExperts
     from qlens.quant.adopt.higgs_gguf import gguf_payload
 
     # One copy out of the file each: uint8 [experts, rows, row_bytes], gate rows above up rows.
-    gate_up_blocks = np.concatenate([by_part["gate"].data, by_part["up"].data], axis=1)
+    gate, up, down_data = (_expert_data(by_part[part]) for part in PARTS)
+    rows, row_bytes = gate[0].shape
+    gate_up_blocks = np.empty((len(gate), rows + up[0].shape[0], row_bytes), dtype=np.uint8)
+    for expert, (gate_blocks, up_blocks) in enumerate(zip(gate, up, strict=True)):
+        gate_up_blocks[expert, :rows] = gate_blocks
+        gate_up_blocks[expert, rows:] = up_blocks
     gate_up = gguf_payload(torch.from_numpy(gate_up_blocks), types["gate"])
     gate_up.layout["gate_up"] = "stacked"
-    down = gguf_payload(torch.from_numpy(np.array(by_part["down"].data)), types["down"])
+    down = gguf_payload(torch.from_numpy(np.stack(down_data)), types["down"])
     return QuantExperts(gate_up, down, ExpertGate("stacked", activation))
 
 
 def _put_float_experts(
     model: nn.Module, module_name: str, by_part: dict[str, Any], dtype: torch.dtype
 ) -> None:
-    import numpy as np
     from gguf import dequantize as gguf_dequantize
 
     from qlens.quantize_on_load import put_tensor
 
     def values(part: str) -> np.ndarray:
         tensor = by_part[part]
-        return gguf_dequantize(tensor.data, tensor.tensor_type)
+        return np.stack([gguf_dequantize(d, tensor.tensor_type) for d in _expert_data(tensor)])
 
     gate_up = np.concatenate([values("gate"), values("up")], axis=1)
     put_tensor(model, f"{module_name}.gate_up_proj", torch.from_numpy(gate_up).to(dtype))
-    put_tensor(
-        model, f"{module_name}.down_proj", torch.from_numpy(np.copy(values("down"))).to(dtype)
-    )
+    put_tensor(model, f"{module_name}.down_proj", torch.from_numpy(values("down")).to(dtype))

@@ -6,8 +6,8 @@ without a special tensor processor (Qwen2, Qwen3...) are read by qlens: the mode
 the meta device, transformers' GGUF-to-HF name map places each tensor, every quantized linear
 of a type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put
 back in HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves
-whole rows of blocks), each MoE layer's stacked experts a ``QuantExperts``
-(``qlens.gguf_experts``), and the rest (embeddings, norms, routers, types qlens
+whole rows of blocks), each MoE layer's experts a ``QuantExperts`` (``qlens.gguf_experts``;
+stacked, or one tensor per expert in older Mixtral files: ``qlens.gguf_per_expert``), and the rest (embeddings, norms, routers, types qlens
 has no codec for) is dequantized by gguf-py into float. Other architectures (GPT-OSS and
 MiniMax experts, Bloom/GPT-2 reshapes...) go through transformers' own GGUF loader; where it
 keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
@@ -166,6 +166,7 @@ def _load_with_qlens_reader(
         mixtral_config,
         mixtral_tensor_names,
     )
+    from qlens.gguf_per_expert import PER_EXPERT_TENSOR, gather_per_expert_tensors
     from qlens.load_checks import key_list
     from qlens.modules import QuantLinear
     from qlens.quant.adopt.higgs_gguf import gguf_payload
@@ -189,7 +190,11 @@ def _load_with_qlens_reader(
     expected = set(shapes)
     loaded: set[str] = set()
     experts: dict[str, list[Any]] = {}
+    per_expert: list[Any] = []  # a Mixtral file from before llama.cpp stacked experts
     for tensor in reader.tensors:
+        if mixtral and PER_EXPERT_TENSOR.fullmatch(tensor.name):
+            per_expert.append(tensor)
+            continue
         experts_base = expert_tensor_base(tensor.name)
         if experts_base is not None:
             key = _experts_key(names, experts_base, tensor.name, path, architecture)
@@ -219,6 +224,9 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
+    for group in gather_per_expert_tensors(per_expert, config.num_local_experts, path.name):
+        key = _experts_key(names, group.stacked_base, group.name, path, architecture)
+        experts.setdefault(key.rpartition(".")[0], []).append(group)
     size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(

@@ -4,7 +4,9 @@
 as a dense Llama; qlens builds a ``MixtralConfig`` from the same metadata (every field a Llama
 file gives, plus ``num_local_experts`` = ``llama.expert_count`` and ``num_experts_per_tok`` =
 ``llama.expert_used_count``) and names the experts' tensors for ``MixtralExperts``' fused
-``gate_up_proj`` (gate rows above up rows) and ``down_proj``.
+``gate_up_proj`` (gate rows above up rows) and ``down_proj``. Files written before llama.cpp
+stacked the experts hold one tensor per expert (``blk.N.ffn_gate.E.weight``...);
+``qlens.gguf_per_expert`` gathers them into the same packed experts.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from qlens.gguf_metadata import int_field, text_field
 EXPERT_COUNT, EXPERT_USED_COUNT = "llama.expert_count", "llama.expert_used_count"
 # MixtralConfig's expert count and width (llama.expert_count, llama.feed_forward_length).
 MIXTRAL_SIZE_NAMES = ("num_local_experts", "intermediate_size")
-# llama.cpp wrote Mixtral's experts one tensor each (blk.N.ffn_gate.E.weight) before stacking them.
-_PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 _GATE_UP = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.gate_up_proj")
 
 
@@ -42,13 +42,6 @@ def mixtral_config(path: Path, reader: Any) -> Any:
     metadata, and the expert counts it does not read."""
     from transformers import MixtralConfig, PretrainedConfig
 
-    per_expert = [t.name for t in reader.tensors if _PER_EXPERT_TENSOR.fullmatch(t.name)]
-    if per_expert:
-        raise ValueError(
-            f"{path.name} stores its experts one tensor each ({per_expert[0]}...), as llama.cpp "
-            "wrote Mixtral files before stacking them into blk.N.ffn_*_exps; qlens reads stacked "
-            "experts only. Convert the original checkpoint again with a current llama.cpp."
-        )
     experts = int_field(reader, EXPERT_COUNT)
     used = int_field(reader, EXPERT_USED_COUNT)
     if used is None or experts is None or not 0 < used <= experts:

@@ -88,6 +88,40 @@ def gguf_py_values(reader: object) -> dict[str, np.ndarray]:
     }
 
 
+def float_mixtral(path: Path, config: MixtralConfig) -> MixtralForCausalLM:
+    """A float Mixtral of ``config`` holding gguf-py's values of the file at ``path`` (experts
+    stacked), placed by hand: q/k rows back in HF order, each layer's gate rows above its up
+    rows."""
+    from gguf import GGUFReader
+
+    values = {
+        n: torch.from_numpy(np.array(v)) for n, v in gguf_py_values(GGUFReader(str(path))).items()
+    }
+    state = {
+        "model.embed_tokens.weight": values["token_embd.weight"],
+        "model.norm.weight": values["output_norm.weight"],
+        "lm_head.weight": values["output.weight"],
+    }
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for i in range(config.num_hidden_layers):
+        layer, blk = f"model.layers.{i}", f"blk.{i}"
+        for hf_name, gguf_name in _ATTENTION_LINEARS.items():
+            weight = values[f"{blk}.{gguf_name}.weight"]
+            if hf_name.removeprefix("self_attn.") in heads:
+                n_head = heads[hf_name.removeprefix("self_attn.")]
+                weight = torch.from_numpy(unpermute_rows(weight.numpy(), n_head))
+            state[f"{layer}.{hf_name}.weight"] = weight
+        state[f"{layer}.input_layernorm.weight"] = values[f"{blk}.attn_norm.weight"]
+        state[f"{layer}.post_attention_layernorm.weight"] = values[f"{blk}.ffn_norm.weight"]
+        state[f"{layer}.mlp.gate.weight"] = values[f"{blk}.ffn_gate_inp.weight"]
+        gate_up = [values[f"{blk}.ffn_{part}_exps.weight"] for part in ("gate", "up")]
+        state[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat(gate_up, dim=1)
+        state[f"{layer}.mlp.experts.down_proj"] = values[f"{blk}.ffn_down_exps.weight"]
+    model = MixtralForCausalLM(config).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 def permute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order: each head's two rotary halves interleaved."""
     shape = weights.shape
@@ -157,14 +191,56 @@ def add_stacked_experts(
     """Write a fused experts module (``gate_up_proj`` gate rows above up rows, ``down_proj``) as
     llama.cpp's three stacked tensors of layer ``layer``; ``experts_written`` keeps only that many
     experts, ``omit`` leaves out the tensors of those GGUF names."""
-    kept = slice(0, experts_written)
-    gate, up = experts.gate_up_proj.detach()[kept].chunk(2, dim=1)
-    down = experts.down_proj.detach()[kept]
-    for seed, (part, weight) in enumerate((("gate", gate), ("up", up), ("down", down))):
+    for part, (data, qtype) in _encoded_experts(layer, experts, type_of, experts_written).items():
         name = f"blk.{layer}.ffn_{part}_exps.weight"
         if name not in omit:
-            data, qtype = encode_stacked(weight, type_of(name), 10 * layer + seed)
             writer.add_tensor(name, data, raw_dtype=qtype)
+
+
+def add_per_expert_tensors(
+    writer: GGUFWriter,
+    layer: int,
+    experts: torch.nn.Module,
+    type_of: Callable[[str], str],
+    *,
+    omit: tuple[str, ...] = (),
+    retype: dict[str, str] | None = None,
+) -> None:
+    """Write a fused experts module as llama.cpp wrote Mixtral before stacking experts: one
+    tensor per expert, ``blk.N.ffn_{gate,up,down}.E.weight``, each holding exactly the bytes of
+    expert E of ``add_stacked_experts``' tensor (``type_of`` is asked the stacked name). Broken
+    files: ``omit`` leaves out the tensors of those names, ``retype`` writes those in another
+    type."""
+    retype = retype or {}
+    weights = _expert_weights(experts, None)
+    encoded = _encoded_experts(layer, experts, type_of, None)
+    for seed, (part, (data, qtype)) in enumerate(encoded.items()):
+        for expert, expert_data in enumerate(data):
+            name = f"blk.{layer}.ffn_{part}.{expert}.weight"
+            if name in omit:
+                continue
+            written, written_type = expert_data, qtype
+            if name in retype:
+                values = weights[part][expert].float().numpy()
+                written, written_type = encode_weight(name, values, retype[name], seed)
+            writer.add_tensor(name, written, raw_dtype=written_type)
+
+
+def _expert_weights(experts: torch.nn.Module, kept: int | None) -> dict[str, torch.Tensor]:
+    gate, up = experts.gate_up_proj.detach()[:kept].chunk(2, dim=1)
+    return {"gate": gate, "up": up, "down": experts.down_proj.detach()[:kept]}
+
+
+def _encoded_experts(
+    layer: int, experts: torch.nn.Module, type_of: Callable[[str], str], kept: int | None
+) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
+    """Each projection's experts encoded as ``type_of`` names its stacked tensor."""
+    return {
+        part: encode_stacked(
+            weight, type_of(f"blk.{layer}.ffn_{part}_exps.weight"), 10 * layer + seed
+        )
+        for seed, (part, weight) in enumerate(_expert_weights(experts, kept).items())
+    }
 
 
 def write_gguf_llama(
@@ -176,12 +252,16 @@ def write_gguf_llama(
     expert_count: int | None = None,
     experts_written: int | None = None,
     omit: tuple[str, ...] = (),
+    per_expert: bool = False,
+    retype: dict[str, str] | None = None,
 ) -> Path:
     """Write a Llama or Mixtral ``model`` to ``path`` as llama.cpp does (architecture ``llama``);
     ``type_of(gguf_tensor_name)`` names each linear's GGML type, ``extra`` holds more float32
-    tensors to write by GGUF name. Broken Mixtral files: ``expert_count`` writes that count in the
-    metadata instead of the model's, ``experts_written`` keeps only that many experts, ``omit``
-    leaves out the tensors of those GGUF names."""
+    tensors to write by GGUF name; ``per_expert``: Mixtral experts one tensor each, as llama.cpp
+    wrote them before stacking (``add_per_expert_tensors``). Broken Mixtral files:
+    ``expert_count`` writes that count in the metadata instead of the model's, ``experts_written``
+    keeps only that many (stacked) experts, ``omit`` leaves out the tensors of those GGUF names,
+    ``retype`` writes those per-expert tensors in another type."""
     config = model.config
     writer = gguf_writer(path, "llama", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -210,10 +290,15 @@ def write_gguf_llama(
             add(name, weight, type_of(name), seed=100 * index + seed)
         if moe:
             add(f"blk.{index}.ffn_gate_inp.weight", layer.mlp.gate.weight, "F32")
-            add_stacked_experts(
-                writer, index, layer.mlp.experts, type_of,
-                experts_written=experts_written, omit=omit,
-            )  # fmt: skip
+            if per_expert:
+                add_per_expert_tensors(
+                    writer, index, layer.mlp.experts, type_of, omit=omit, retype=retype
+                )
+            else:
+                add_stacked_experts(
+                    writer, index, layer.mlp.experts, type_of,
+                    experts_written=experts_written, omit=omit,
+                )  # fmt: skip
     add("output_norm.weight", model.model.norm.weight, "F16")
     add("output.weight", model.lm_head.weight, type_of("output.weight"), seed=999)
     for name, values in (extra or {}).items():

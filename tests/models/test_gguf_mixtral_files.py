@@ -16,10 +16,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
+    float_mixtral,
     gguf_py_values,
     make_gguf_mixtral,
     permute_rows,
-    unpermute_rows,
     write_gguf_llama,
 )
 from gguf_moe_files import (  # noqa: E402
@@ -31,7 +31,7 @@ from gguf_moe_files import (  # noqa: E402
     moe_type_of,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+from transformers import MixtralConfig  # noqa: E402
 
 import qlens  # noqa: E402
 from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
@@ -54,34 +54,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def bridges(files) -> dict[str, qlens.Bridge]:
     return {kind: qlens.load(path, tokenizer=make_tiny_tokenizer()) for kind, path in files.items()}
-
-
-def float_mixtral(path: Path, config: MixtralConfig) -> MixtralForCausalLM:
-    """A float Mixtral of ``config`` holding gguf-py's values of the file at ``path``, placed by
-    hand: q/k rows back in HF order, each layer's gate rows above its up rows."""
-    file_values = gguf_py_values(gguf.GGUFReader(str(path)))
-    values = {name: torch.from_numpy(np.array(v)) for name, v in file_values.items()}
-    state = {
-        "model.embed_tokens.weight": values["token_embd.weight"],
-        "model.norm.weight": values["output_norm.weight"],
-        "lm_head.weight": values["output.weight"],
-    }
-    for i in range(config.num_hidden_layers):
-        layer, blk = f"model.layers.{i}", f"blk.{i}"
-        for hf_name, gguf_name in ATTENTION.items():
-            state[f"{layer}.self_attn.{hf_name}.weight"] = values[f"{blk}.{gguf_name}.weight"]
-        for name, heads in (("q_proj", N_HEADS), ("k_proj", N_KV_HEADS)):
-            key = f"{layer}.self_attn.{name}.weight"
-            state[key] = torch.from_numpy(unpermute_rows(state[key].numpy(), heads))
-        state[f"{layer}.input_layernorm.weight"] = values[f"{blk}.attn_norm.weight"]
-        state[f"{layer}.post_attention_layernorm.weight"] = values[f"{blk}.ffn_norm.weight"]
-        state[f"{layer}.mlp.gate.weight"] = values[f"{blk}.ffn_gate_inp.weight"]
-        gate_up = [values[f"{blk}.ffn_{part}_exps.weight"] for part in ("gate", "up")]
-        state[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat(gate_up, dim=1)
-        state[f"{layer}.mlp.experts.down_proj"] = values[f"{blk}.ffn_down_exps.weight"]
-    model = MixtralForCausalLM(config).eval()
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 def test_config_comes_from_the_llama_metadata(bridges, tmp_path):
@@ -252,11 +224,6 @@ BROKEN = {
         {},
         r"broken\.gguf is a Mixtral file \(llama\.expert_count=1\) whose "
         r"llama\.expert_used_count is 2; it must name how many experts route each token",
-    ),
-    "per-expert-tensors": (
-        {"extra": {"blk.0.ffn_gate.0.weight": np.zeros((512, 256), dtype=np.float32)}},
-        {},
-        r"broken\.gguf stores its experts one tensor each \(blk\.0\.ffn_gate\.0\.weight\.\.\.\)",
     ),
 }
 
