@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,12 +47,12 @@ def _layer_and_part(tensor: Any) -> tuple[str, str]:
     return match["layer"], match["part"]
 
 
-def _expert_data(tensor: Any) -> Sequence[np.ndarray]:
+def _expert_data(tensor: Any) -> list[np.ndarray]:
     """Each expert's data, as gguf-py maps it from the file: views along a stacked tensor's first
     axis, or the tensors of a ``PerExpertTensors``."""
     from qlens.gguf_per_expert import PerExpertTensors
 
-    return tensor.expert_data if isinstance(tensor, PerExpertTensors) else tensor.data
+    return tensor.expert_data if isinstance(tensor, PerExpertTensors) else list(tensor.data)
 
 
 def _logical_shape(tensor: Any) -> tuple[int, ...]:
