@@ -52,13 +52,15 @@ def test_gguf_file_on_cuda_matches_the_cpu_load(tmp_path: Path, kind: str):
 
 MOE_CASES = [("qwen3moe", k) for k in ("Q8_0", "Q4_0", "mixed")]
 MOE_CASES += [("mixtral", k) for k in ("Q8_0", "Q4_K", "mixed")]
+MOE_CASES += [("mixtral-per-expert", k) for k in ("Q4_K", "mixed")]  # one tensor per expert
 
 
 @pytest.mark.parametrize(("arch", "kind"), MOE_CASES, ids=[f"{a}-{k}" for a, k in MOE_CASES])
 def test_moe_gguf_file_on_cuda_matches_the_cpu_load(tmp_path: Path, arch: str, kind: str):
     path = tmp_path / f"tiny-{arch}-{kind}.gguf"
-    if arch == "mixtral":  # written as llama.cpp writes Mixtral: architecture llama, experts
-        write_gguf_llama(make_gguf_mixtral(), path, moe_type_of(kind))
+    if arch.startswith("mixtral"):  # as llama.cpp writes Mixtral: architecture llama, experts
+        per_expert = arch == "mixtral-per-expert"
+        write_gguf_llama(make_gguf_mixtral(), path, moe_type_of(kind), per_expert=per_expert)
     else:
         write_gguf_moe(make_gguf_moe(arch), path, arch, moe_type_of(kind))
     cpu = qlens.load(path, tokenizer=make_tiny_tokenizer())
