@@ -224,9 +224,10 @@ def _load_with_qlens_reader(
             value = torch.from_numpy(np.copy(values)).to(dtype)
             put_tensor(model, key, value)
         loaded.add(key)
-    for group in gather_per_expert_tensors(per_expert, config.num_local_experts, path.name):
-        key = _experts_key(names, group.stacked_base, group.name, path, architecture)
-        experts.setdefault(key.rpartition(".")[0], []).append(group)
+    if per_expert:
+        for group in gather_per_expert_tensors(per_expert, config.num_local_experts, path.name):
+            key = _experts_key(names, group.stacked_base, group.name, path, architecture)
+            experts.setdefault(key.rpartition(".")[0], []).append(group)
     size_names = MIXTRAL_SIZE_NAMES if mixtral else MOE_SIZE_NAMES
     for module_name, tensors in experts.items():
         place_experts(

@@ -112,8 +112,8 @@ def _require_one_type_and_shape(group: PerExpertTensors, file_name: str) -> None
             f"{file_name}: the experts of {group.stacked_base} are stored one tensor each in "
             f"different GGML types ({listed}); qlens stacks one projection's experts into one "
             "packed tensor, which holds one type. Requantize the file so that each projection's "
-            "experts share a type (llama-quantize does), or convert the original checkpoint "
-            "again with a current llama.cpp."
+            "experts share a type, or convert the original checkpoint again with a current "
+            "llama.cpp."
         )
     shapes = {tuple(tensor.shape.tolist()) for tensor in group.tensors}
     if len(shapes) > 1:
