@@ -140,7 +140,7 @@ def _packed_experts(by_part: dict[str, Any], types: dict[str, int], activation: 
     # One copy out of the file each: uint8 [experts, rows, row_bytes], gate rows above up rows.
     gate, up, down_data = (_expert_data(by_part[part]) for part in PARTS)
     rows, row_bytes = gate[0].shape
-    gate_up_blocks = np.empty((len(gate), rows + up[0].shape[0], row_bytes), dtype=np.uint8)
+    gate_up_blocks = np.empty((len(gate), rows + up[0].shape[0], row_bytes), gate[0].dtype)
     for expert, (gate_blocks, up_blocks) in enumerate(zip(gate, up, strict=True)):
         gate_up_blocks[expert, :rows] = gate_blocks
         gate_up_blocks[expert, rows:] = up_blocks

@@ -7,12 +7,13 @@ the meta device, transformers' GGUF-to-HF name map places each tensor, every qua
 of a type qlens decodes becomes a ``QuantLinear`` over a GGUF payload (Llama's q/k rows put
 back in HF order exactly as transformers does: GGUF blocks run along K, so permuting rows moves
 whole rows of blocks), each MoE layer's experts a ``QuantExperts`` (``qlens.gguf_experts``;
-stacked, or one tensor per expert in older Mixtral files: ``qlens.gguf_per_expert``), and the rest (embeddings, norms, routers, types qlens
-has no codec for) is dequantized by gguf-py into float. Other architectures (GPT-OSS and
-MiniMax experts, Bloom/GPT-2 reshapes...) go through transformers' own GGUF loader; where it
-keeps blocks packed (``GgufLinear`` / ``GgufExperts``, qwen35/lfm2 in transformers 5.x) qlens
-lends it a kernel computed by qlens' codecs and then swaps those modules for qlens
-``QuantLinear`` / ``QuantExperts``; elsewhere transformers dequantizes, which is logged.
+stacked, or one tensor per expert in older Mixtral files: ``qlens.gguf_per_expert``), and the
+rest (embeddings, norms, routers, types qlens has no codec for) is dequantized by gguf-py into
+float. Other architectures (GPT-OSS and MiniMax experts, Bloom/GPT-2 reshapes...) go through
+transformers' own GGUF loader; where it keeps blocks packed (``GgufLinear`` / ``GgufExperts``,
+qwen35/lfm2 in transformers 5.x) qlens lends it a kernel computed by qlens' codecs and then
+swaps those modules for qlens ``QuantLinear`` / ``QuantExperts``; elsewhere transformers
+dequantizes, which is logged.
 """
 
 from __future__ import annotations

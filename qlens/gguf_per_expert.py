@@ -25,6 +25,15 @@ _LAYOUT = (
     "stores its experts one tensor each (blk.N.ffn_{gate,up,down}.E.weight, as llama.cpp wrote "
     "Mixtral files before stacking them into blk.N.ffn_*_exps)"
 )
+_ONE_TYPE = (
+    "qlens stacks one projection's experts into one packed tensor, which holds one type. "
+    "Requantize the file so that each projection's experts share a type, or convert the original "
+    "checkpoint again with a current llama.cpp."
+)
+_ONE_SHAPE = (
+    "every expert of a projection has the same shape [out, in], so the file is broken: convert "
+    "the original checkpoint again."
+)
 
 
 @dataclass(frozen=True)
@@ -105,21 +114,12 @@ def _require_experts(
 
 
 def _require_one_type_and_shape(group: PerExpertTensors, file_name: str) -> None:
-    types = {tensor.tensor_type.name for tensor in group.tensors}
-    if len(types) > 1:
-        listed = ", ".join(f"{t.name} {t.tensor_type.name}" for t in group.tensors)
-        raise ValueError(
-            f"{file_name}: the experts of {group.stacked_base} are stored one tensor each in "
-            f"different GGML types ({listed}); qlens stacks one projection's experts into one "
-            "packed tensor, which holds one type. Requantize the file so that each projection's "
-            "experts share a type, or convert the original checkpoint again with a current "
-            "llama.cpp."
-        )
-    shapes = {tuple(tensor.shape.tolist()) for tensor in group.tensors}
-    if len(shapes) > 1:
-        listed = ", ".join(f"{t.name} {list(reversed(t.shape.tolist()))}" for t in group.tensors)
-        raise ValueError(
-            f"{file_name}: the experts of {group.stacked_base} differ in shape [out, in] "
-            f"({listed}); every expert of a projection has the same shape, so the file is "
-            "broken: convert the original checkpoint again."
-        )
+    types = [tensor.tensor_type.name for tensor in group.tensors]
+    shapes = [list(reversed(tensor.shape.tolist())) for tensor in group.tensors]
+    for what, values, remedy in (("GGML types", types, _ONE_TYPE), ("shapes", shapes, _ONE_SHAPE)):
+        if len({str(value) for value in values}) > 1:
+            listed = ", ".join(f"{t.name} {v}" for t, v in zip(group.tensors, values, strict=True))
+            raise ValueError(
+                f"{file_name}: the experts of {group.stacked_base} are stored one tensor each in "
+                f"different {what} ({listed}); {remedy}"
+            )

@@ -173,9 +173,10 @@ BROKEN = {
             "extra": {"blk.0.ffn_gate.1.weight": _ZEROS[:256]},
             "type_of": lambda _: "F32",
         },
-        r"broken\.gguf: the experts of blk\.0\.ffn_gate_exps differ in shape \[out, in\] "
-        r"\(blk\.0\.ffn_gate\.0\.weight \[512, 256\], blk\.0\.ffn_gate\.1\.weight \[256, 256\], "
-        r"blk\.0\.ffn_gate\.2\.weight \[512, 256\], blk\.0\.ffn_gate\.3\.weight \[512, 256\]\)",
+        r"broken\.gguf: the experts of blk\.0\.ffn_gate_exps are stored one tensor each in "
+        r"different shapes \(blk\.0\.ffn_gate\.0\.weight \[512, 256\], blk\.0\.ffn_gate\.1\.weight \[256, 256\], "
+        r"blk\.0\.ffn_gate\.2\.weight \[512, 256\], blk\.0\.ffn_gate\.3\.weight \[512, 256\]\); "
+        r"every expert of a projection has the same shape \[out, in\], so the file is broken",
     ),
     "experts-narrower-than-the-config": (
         {
