@@ -193,7 +193,9 @@ def _load_with_qlens_reader(
     experts: dict[str, list[Any]] = {}
     per_expert: list[Any] = []  # a Mixtral file from before llama.cpp stacked experts
     for tensor in reader.tensors:
-        if mixtral and PER_EXPERT_TENSOR.fullmatch(tensor.name):
+        if PER_EXPERT_TENSOR.fullmatch(tensor.name):
+            if not mixtral:
+                raise _no_experts_module(tensor.name, path, architecture)
             per_expert.append(tensor)
             continue
         experts_base = expert_tensor_base(tensor.name)
@@ -266,18 +268,22 @@ def _experts_key(
     """The fused experts parameter transformers' name map gives a stacked expert tensor."""
     key = names.get(base)
     if key is None:
-        why = (
-            " (a Mixtral file says how many experts it has in llama.expert_count, which this "
-            "file lacks or sets to 0)"
-            if architecture == "llama"
-            else ""
-        )
-        raise ValueError(
-            f"{path.name} holds stacked expert tensors ({tensor_name}), but the {architecture!r} "
-            f"model built from its metadata has no experts module for them{why}; qlens cannot "
-            "load it. Convert the original checkpoint again."
-        )
+        raise _no_experts_module(tensor_name, path, architecture)
     return key
+
+
+def _no_experts_module(tensor_name: str, path: Path, architecture: str) -> ValueError:
+    why = (
+        " (a Mixtral file says how many experts it has in llama.expert_count, which this "
+        "file lacks or sets to 0)"
+        if architecture == "llama"
+        else ""
+    )
+    return ValueError(
+        f"{path.name} holds expert tensors ({tensor_name}), but the {architecture!r} model built "
+        f"from its metadata has no experts module for them{why}; qlens cannot load it. Convert "
+        "the original checkpoint again."
+    )
 
 
 def to_qlens_modules(model: nn.Module) -> int:

@@ -20,7 +20,11 @@ from gguf_files import (  # noqa: E402
     make_gguf_mixtral,
     write_gguf_llama,
 )
-from gguf_moe_files import assert_experts_are_the_files_blocks, moe_type_of  # noqa: E402
+from gguf_moe_files import (  # noqa: E402
+    assert_experts_are_the_files_blocks,
+    assert_holds_the_weights_of,
+    moe_type_of,
+)
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
 
 import qlens  # noqa: E402
@@ -28,7 +32,8 @@ from qlens.modules import QuantExperts, QuantLinear  # noqa: E402
 
 N_LAYERS, N_EXPERTS, INTERMEDIATE = 2, 4, 512
 PACKED_KINDS = ("Q8_0", "Q4_0", "Q4_K", "mixed")  # "mixed": Q4_K, the experts' down Q6_K
-KINDS = (*PACKED_KINDS, "F16")
+FLOAT_KINDS = ("F16", "BF16", "F32")  # float in the file: float experts, as when stacked
+KINDS = (*PACKED_KINDS, *FLOAT_KINDS)
 TOKENS = torch.tensor([[3, 17, 42, 8, 63, 5, 29]])
 PARTS = ("gate", "up", "down")
 
@@ -111,13 +116,13 @@ def test_experts_are_packed_from_each_experts_blocks(files, bridges, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_equal_the_stacked_files_and_match_a_float_mixtral(files, bridges, kind):
     per_expert, stacked = bridges[kind]["per-expert"], bridges[kind]["stacked"]
-    floats = dict(stacked.model.named_parameters())  # F16: the experts too, in float
+    floats = dict(stacked.model.named_parameters())  # float kinds: the experts too
     names = [name for name, _ in per_expert.model.named_parameters()]
     assert sorted(names) == sorted(floats)
     for name, tensor in per_expert.model.named_parameters():
         assert torch.equal(tensor, floats[name]), name
-    if kind == "F16":  # float experts, as a stacked F16 file gives
-        assert type(per_expert.model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    experts = type(per_expert.model.model.layers[0].mlp.experts).__name__
+    assert experts == ("MixtralExperts" if kind in FLOAT_KINDS else "QuantExperts")
     with torch.no_grad():
         ours, same_bytes = per_expert(TOKENS), stacked(TOKENS)
         theirs = float_mixtral(files[kind]["stacked"], stacked.model.config)(TOKENS).logits
@@ -136,6 +141,18 @@ def test_dequantize_on_load_gives_the_float_mixtral(files):
     assert sorted(n for n, _ in floats.model.named_parameters()) == sorted(expected)
     for name, tensor in floats.model.named_parameters():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_bfloat16_load_equals_the_stacked_files(files):
+    per_expert, stacked = (
+        qlens.load(files["mixed"][layout], dtype=torch.bfloat16, tokenizer=make_tiny_tokenizer())
+        for layout in ("per-expert", "stacked")
+    )
+    assert_holds_the_weights_of(
+        per_expert.model, float_mixtral(files["mixed"]["stacked"], stacked.model.config).bfloat16()
+    )
+    with torch.no_grad():
+        assert torch.equal(per_expert(TOKENS), stacked(TOKENS))
 
 
 _ZEROS = np.zeros((INTERMEDIATE, 256), dtype=np.float32)

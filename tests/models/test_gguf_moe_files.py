@@ -5,6 +5,7 @@ the model predicts like transformers' own (dequantizing) GGUF loader."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -292,13 +293,21 @@ def test_linears_that_do_not_match_the_config_raise_naming_the_tensor(tmp_path, 
         _qlens_model(path)
 
 
-def test_llama_file_with_stacked_experts_but_no_expert_count_is_refused(tmp_path):
-    experts = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 512, 256), dtype=np.float32)}
+# stacked experts, or one tensor per expert as llama.cpp wrote Mixtral before stacking them
+EXPERT_TENSORS = {
+    "blk.0.ffn_gate_exps.weight": (4, 512, 256),
+    "blk.0.ffn_gate.0.weight": (512, 256),
+}
+
+
+@pytest.mark.parametrize("name", EXPERT_TENSORS)
+def test_llama_file_with_experts_but_no_expert_count_is_refused(tmp_path, name):
+    experts = {name: np.zeros(EXPERT_TENSORS[name], dtype=np.float32)}
     path = write_gguf_llama(make_gguf_llama(), tmp_path / "mixtral.gguf", lambda _: "Q8_0", experts)
     with pytest.raises(
-        ValueError, match=r"mixtral\.gguf holds stacked expert tensors \(blk\.0\.ffn_gate_exps"
-        r"\.weight\), but the 'llama' model built from its metadata has no experts module for "
-        r"them \(a Mixtral file says how many experts it has in llama\.expert_count",
+        ValueError, match=rf"mixtral\.gguf holds expert tensors \({re.escape(name)}\), but the "
+        r"'llama' model built from its metadata has no experts module for them \(a Mixtral file "
+        r"says how many experts it has in llama\.expert_count",
     ):  # fmt: skip
         qlens.load(path, tokenizer=make_tiny_tokenizer())
 
