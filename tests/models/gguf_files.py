@@ -94,22 +94,20 @@ def float_mixtral(path: Path, config: MixtralConfig) -> MixtralForCausalLM:
     rows."""
     from gguf import GGUFReader
 
-    values = {
-        n: torch.from_numpy(np.array(v)) for n, v in gguf_py_values(GGUFReader(str(path))).items()
-    }
+    file_values = gguf_py_values(GGUFReader(str(path)))
+    values = {name: torch.from_numpy(np.array(v)) for name, v in file_values.items()}
     state = {
         "model.embed_tokens.weight": values["token_embd.weight"],
         "model.norm.weight": values["output_norm.weight"],
         "lm_head.weight": values["output.weight"],
     }
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for i in range(config.num_hidden_layers):
         layer, blk = f"model.layers.{i}", f"blk.{i}"
         for hf_name, gguf_name in _ATTENTION_LINEARS.items():
             weight = values[f"{blk}.{gguf_name}.weight"]
-            if hf_name.removeprefix("self_attn.") in heads:
-                n_head = heads[hf_name.removeprefix("self_attn.")]
-                weight = torch.from_numpy(unpermute_rows(weight.numpy(), n_head))
+            if gguf_name in heads:  # q/k rows back in HF order
+                weight = torch.from_numpy(unpermute_rows(weight.numpy(), heads[gguf_name]))
             state[f"{layer}.{hf_name}.weight"] = weight
         state[f"{layer}.input_layernorm.weight"] = values[f"{blk}.attn_norm.weight"]
         state[f"{layer}.post_attention_layernorm.weight"] = values[f"{blk}.ffn_norm.weight"]
