@@ -23,6 +23,7 @@ from gguf_files import (  # noqa: E402
 from gguf_moe_files import (  # noqa: E402
     assert_experts_are_the_files_blocks,
     assert_holds_the_weights_of,
+    assert_reloads_with_the_same_gguf_experts,
     moe_type_of,
 )
 from model_fixtures import make_tiny_tokenizer  # noqa: E402
@@ -153,6 +154,12 @@ def test_bfloat16_load_equals_the_stacked_files(files):
     )
     with torch.no_grad():
         assert torch.equal(per_expert(TOKENS), stacked(TOKENS))
+
+
+def test_saved_per_expert_mixtral_reloads_with_the_same_gguf_experts(bridges, tmp_path):
+    bridge = bridges["Q4_K"]["per-expert"]
+    reloaded = assert_reloads_with_the_same_gguf_experts(bridge, tmp_path, TOKENS)
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
 
 
 _ZEROS = np.zeros((INTERMEDIATE, 256), dtype=np.float32)
