@@ -54,7 +54,6 @@ class PayloadModule(nn.Module):
         self._payload_specs[prefix] = spec
         self._payload_keys[prefix] = spec.key
         self._payload_buffers[prefix] = tuple(buffer_name(prefix, n) for n in spec.tensor_names)
-        self.forget_prepared()
         for name, tensor in payload.tensors().items():
             self.register_buffer(buffer_name(prefix, name), tensor)
         self.prepare_payloads()
@@ -122,9 +121,10 @@ class PayloadModule(nn.Module):
         self._plans.clear()
 
     def prepare_payloads(self) -> None:
-        """Build the payloads on the buffers as they are now, offered to the ``qlens::`` ops
-        (``offer_to_ops``), so a compiled forward reaches their kept plans even when no eager
-        forward ran first."""
+        """Drop the kept payloads and launch plans, then build the payloads again on the
+        buffers as they are now, offered to the ``qlens::`` ops (``offer_to_ops``), so a
+        compiled forward reaches their kept plans even when no eager forward ran first."""
+        self.forget_prepared()
         for prefix in self._payload_specs:
             self.payload_for(prefix)
 
@@ -140,11 +140,9 @@ class PayloadModule(nn.Module):
             moved = self._buffers[name]
             if original is not None and moved is not None and moved.dtype != original.dtype:
                 self._buffers[name] = original.to(device=moved.device)
-        self.forget_prepared()
         self.prepare_payloads()
         return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self.forget_prepared()
         self.prepare_payloads()
