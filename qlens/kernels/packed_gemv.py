@@ -18,10 +18,10 @@ and multiplied by the group scale once per word instead of once per code. The pr
 activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
 code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
 ``[words, 8]`` load split into the eight code positions in registers, so a call launches
-nothing but the GEMV. For two rows or more the decoded,
-scaled codes feed tensor-core dots, one per code position (an ``[M, N, words]`` FMA product for
-2-4 rows ran at 0.06-0.07x bf16 on the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on
-``x`` regrouped by code position (``qlens.kernels.gemv.permute_codes``).
+nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
+one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran at 0.06-0.07x bf16 on
+the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
+position (``qlens.kernels.gemv.permute_codes``).
 """
 
 from typing import no_type_check
@@ -210,7 +210,8 @@ def _fma_tile(
     row = xp_ptr + offs_m[:, None] * stride_xm
     if X_NATURAL:
         xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
-    x_ok = offs_w < stride_xj
+    else:
+        x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
     scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
