@@ -28,6 +28,7 @@ from benchmarks._timing import header, publish  # noqa: E402
 from benchmarks.e2e_model import (  # noqa: E402
     PROMPT_TOKENS,
     Workload,
+    compiled_generate_kwargs,
     compiled_tokens_per_s,
     decode_call,
     error_cell,
@@ -39,13 +40,9 @@ from benchmarks.e2e_model import (  # noqa: E402
 def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, Counter, Counter]:
     """GPU kernel microseconds and kernel count of one compiled ``generate`` (after it ran
     compiled), the microseconds per kernel name and the host's self microseconds per event."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(fullgraph=False, mode="reduce-overhead")
     run = decode_call(
-        hf_generate(model), work, work.decode_tokens,
-        cache_implementation="static", compile_config=config,
-    )  # fmt: skip
+        hf_generate(model), work, work.decode_tokens, **compiled_generate_kwargs(work)
+    )
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run()
@@ -63,7 +60,7 @@ def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, 
 
 
 def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = "library") -> dict:
-    """One row; ``graph_x="as-is"`` makes captured one-row packed GEMVs read ``x`` as it is
+    """One row; ``graph_x="as-is"`` makes captured one-row E2M1 GEMVs read ``x`` as it is
     (the library regroups it while capturing), to compare the two in one run."""
     from torch._dynamo.utils import counters
 
@@ -136,7 +133,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--graph-x-as-is",
         action="store_true",
-        help="also time packed 4-bit schemes with captured one-row GEMVs reading x as it is",
+        help="also time E2M1 schemes (mxfp4, nvfp4) with captured one-row GEMVs reading x as it "
+        "is (int4 rows always are)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> str:
     for scheme in args.schemes.split(","):
         model = qlens.quantize(base, scheme)
         rows.append(measure(scheme, model, work))
-        if args.graph_x_as_is and scheme in ("int4", "mxfp4", "nvfp4"):
+        if args.graph_x_as_is and scheme in ("mxfp4", "nvfp4"):
             rows.append(measure(scheme, model, work, graph_x="as-is"))
         del model
         torch.cuda.empty_cache()

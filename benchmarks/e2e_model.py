@@ -176,7 +176,9 @@ def measure_paired(row: Row, model: nn.Module, base: nn.Module, work: Workload) 
     )
 
 
-def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
+def compiled_generate_kwargs(work: Workload) -> dict:
+    """``generate`` arguments of transformers' compiled static-cache decode: inductor with CUDA
+    graphs (``reduce-overhead``) on a GPU, ``work.compile_backend`` elsewhere."""
     from transformers import CompileConfig
 
     if work.compile_backend == "inductor":
@@ -184,9 +186,11 @@ def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     else:
         config = CompileConfig(fullgraph=False, backend=work.compile_backend, mode="default")
         config._compile_all_devices = True  # transformers compiles on the GPU only otherwise
-    return tokens_per_s(
-        hf_generate(model), work, True, cache_implementation="static", compile_config=config
-    )
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
+    return tokens_per_s(hf_generate(model), work, True, **compiled_generate_kwargs(work))
 
 
 def forget_compiled(model: nn.Module) -> None:
