@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from qlens.gguf_per_expert import PerExpertTensors
+
 logger = logging.getLogger(__name__)
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
@@ -38,8 +40,6 @@ def expert_tensor_base(name: str) -> str | None:
 
 
 def _layer_and_part(tensor: Any) -> tuple[str, str]:
-    from qlens.gguf_per_expert import PerExpertTensors
-
     if isinstance(tensor, PerExpertTensors):
         return tensor.layer, tensor.part
     match = EXPERT_TENSOR.fullmatch(tensor.name)
@@ -50,8 +50,6 @@ def _layer_and_part(tensor: Any) -> tuple[str, str]:
 def _expert_data(tensor: Any) -> list[np.ndarray]:
     """Each expert's data, as gguf-py maps it from the file: views along a stacked tensor's first
     axis, or the tensors of a ``PerExpertTensors``."""
-    from qlens.gguf_per_expert import PerExpertTensors
-
     return tensor.expert_data if isinstance(tensor, PerExpertTensors) else list(tensor.data)
 
 
