@@ -60,8 +60,8 @@ def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, 
 
 
 def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = "library") -> dict:
-    """One row; ``graph_x="as-is"`` makes captured one-row E2M1 GEMVs read ``x`` as it is
-    (the library regroups it while capturing), to compare the two in one run."""
+    """One row; ``graph_x="as-is"`` makes compiled one-row E2M1 GEMVs read ``x`` as it is
+    (the library regroups it in the graph), to compare the two in one run."""
     from torch._dynamo.utils import counters
 
     import qlens.kernels.ops as ops
@@ -69,9 +69,9 @@ def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = 
     counters.clear()
     torch._dynamo.reset()
     cells: dict = {"scheme": scheme if graph_x == "library" else f"{scheme} (x {graph_x})"}
-    captured = ops.capturing_cuda_graph
+    regrouping = ops.REGROUPING_DEVICES
     if graph_x == "as-is":
-        ops.capturing_cuda_graph = lambda device: False
+        ops.REGROUPING_DEVICES = frozenset()
     try:
         cells["tok_s"] = compiled_tokens_per_s(model, work)
         cells["graph_breaks"] = sum(counters["graph_break"].values())
@@ -84,7 +84,7 @@ def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = 
     except Exception as err:  # noqa: BLE001 - the other schemes still run
         cells["error"] = error_cell(err)
     finally:
-        ops.capturing_cuda_graph = captured
+        ops.REGROUPING_DEVICES = regrouping
     forget_compiled(model)
     print(f"<!-- {cells} -->", flush=True)
     return cells

@@ -33,9 +33,9 @@ import transformers
 from _timing import LAUNCH_ERRORS, PACKED_4BIT_SCHEMES, header, publish, rel_err, select_schemes
 from _timing import time_eager as _time_eager
 
+from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.experts import ExpertsPlan, stacked_experts
-from qlens.kernels.gemv import permute_codes
 from qlens.kernels.grouped_experts import expert_row_bounds, grouped_config, grouped_experts_linear
 from qlens.modules import QuantExperts
 from qlens.modules.hf_experts import expert_gate_of

@@ -1,12 +1,15 @@
 """One-row word-wise GEMV tiles on the 8B decode layers and the largest benchmark layer: rows per
 program, K per loop step, warps (side by side along K, 1024 K each, so ``x`` keeps the words'
-layout) and pipelining depth, against the dispatcher's launch.
+layout) and pipelining depth, against the dispatcher's launch. Every launch reads ``x`` as it is
+(the eager path).
 
-Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles``; prints markdown and, when ``$OUT`` is
+Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles [--schemes mxfp4,nvfp4]``; prints markdown and, when ``$OUT`` is
 set, writes it to ``$OUT/gemv_tiles_h200.md``.
 """
 
 from __future__ import annotations
+
+import argparse
 
 from benchmarks._timing import (
     DECODE_LAYERS_8B,
@@ -14,6 +17,7 @@ from benchmarks._timing import (
     header,
     launch_sweep,
     publish,
+    select_schemes,
 )
 from qlens.kernels import LinearConfig
 
@@ -30,6 +34,14 @@ LAUNCHES = (
     (8, 4096, 4, 1),
     (4, 4096, 4, 2),
     (8, 4096, 4, 2),
+    # Shorter K steps and deeper pipelines, for E2M1 read as it is (more registers a word).
+    (4, 512, 1, 1),
+    (4, 512, 1, 2),
+    (8, 512, 1, 2),
+    (4, 1024, 1, 2),
+    (8, 1024, 1, 1),
+    (16, 256, 1, 2),
+    (16, 512, 2, 1),
 )
 CONFIGS = tuple(
     LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
@@ -38,7 +50,11 @@ CONFIGS = tuple(
 
 
 def main() -> None:
-    rows = launch_sweep(SHAPES, (1,), PACKED_4BIT_SCHEMES, CONFIGS)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schemes", help="comma-separated packed 4-bit schemes; default all")
+    args = parser.parse_args()
+    schemes = select_schemes(PACKED_4BIT_SCHEMES, args.schemes)
+    rows = launch_sweep(SHAPES, (1,), schemes, CONFIGS)
     publish(header("One-row word-wise GEMV tiles") + "\n".join(rows), "gemv_tiles_h200.md")
 
 

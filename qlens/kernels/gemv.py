@@ -19,6 +19,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
@@ -99,31 +100,17 @@ def _packed_block_m(m: int, cfg: LinearConfig, *, experts: bool) -> int:
     return max(16, cfg.block_m)
 
 
-def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m 8 words"]:
-    """``x`` regrouped for the packed GEMV by code position: ``out[m, j, w] = x[m, 8 * w + j]``
-    (zero-padded to a multiple of four words), so that code ``j`` of consecutive words is
-    contiguous and the kernel reads it with wide loads in the words' own layout. float32 for
-    the FMA kernel, ``x``'s dtype for the tensor-core kernel."""
-    m, k = x.shape
-    words = -(-k // 32) * 4
-    padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % 32 else x
-    grouped = padded.view(m, words, 8).transpose(1, 2)
-    if for_dot or x.dtype == torch.float32:
-        return grouped.contiguous()  # one copy, no separate allocation call
-    return grouped.to(torch.float32, memory_format=torch.contiguous_format)
-
-
 class PackedGemv:
     """The word-wise GEMV of one weight for ``m`` rows of one dtype, prepared once: grid,
     strides, constants and the weight's tensors are fixed, so a call allocates the output and
     launches (plus the split reduction when K is split).
 
     ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
-    one launch. ``x_as_is=False`` lets an E2M1 (MXFP4, NVFP4) row be regrouped first
-    (``permute_codes``, one more launch), which makes that kernel faster where launches cost
-    no host time (in a CUDA graph, 28672 x 4096 MXFP4 34.4 against 58.9 us); int4 rows are read
-    as they are either way (26.5 against 28.0 us, the regrouping included;
-    ``benchmarks/tuning/results/x_as_is_h200.md``). Rows on tensor cores always take ``x``
+    one launch. ``x_as_is=False`` has an E2M1 (MXFP4, NVFP4) row read regrouped
+    (``permute_codes``): a faster kernel (in a CUDA graph, 28672 x 4096 MXFP4 34.4 against
+    58.9 us, the regrouping included; ``benchmarks/tuning/results/x_as_is_h200.md``), fed through
+    :meth:`on_kernel_rows` by a compiled graph that regrouped the row itself; int4 rows are read
+    as they are either way (26.5 against 28.0 us). Rows on tensor cores always take ``x``
     regrouped.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
@@ -189,9 +176,15 @@ class PackedGemv:
         if not x.is_contiguous():
             x = x.contiguous()
         if self.regroup:
-            xp = permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot)
-        else:
-            xp = x
+            return self.on_kernel_rows(permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot),
+                                  bias, ids)  # fmt: skip
+        return self.on_kernel_rows(x, bias, ids)
+
+    def on_kernel_rows(
+        self, xp: Float[Tensor, "..."], bias: Tensor | None, ids: Tensor | None = None
+    ) -> Float[Tensor, "*rows n"]:
+        """``x @ W.T + bias`` on ``xp``: the rows as the kernel reads them (contiguous;
+        ``permute_codes(x, for_dot=...)`` when :attr:`regroup`, else ``x`` itself)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         tensors = [xp, bias, out] if self.has_bias else [xp, out]
         if self.partials_shape is not None:

@@ -24,9 +24,10 @@ import triton.language as tl
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
-from qlens.kernels.gemv import _TL_DTYPES, permute_codes
+from qlens.kernels.gemv import _TL_DTYPES
 from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
 from qlens.kernels.packed_gemv import dot_k_range
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view

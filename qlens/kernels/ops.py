@@ -16,26 +16,46 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.op_payloads import payload_for_op
-from qlens.kernels.runtime import capturing_cuda_graph
 from qlens.quant.payload_spec import spec_from_key
 
 
 @torch.library.custom_op("qlens::linear", mutates_args=())
 def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)`` (the module's
-    own payload and kept plan when it offered them: ``op_payloads``). Under CUDA graph capture
-    (``mode="reduce-overhead"``, transformers' static-cache compile) one E2M1 row is regrouped
-    before the packed GEMV: the replayed graph pays no host time for the extra launch and
-    gains the faster kernel. Otherwise, as eagerly, it is read as it is."""
+    own payload and kept plan when it offered them: ``op_payloads``), as an eager call runs it."""
     from qlens.kernels.plan import linear
 
-    capturing = capturing_cuda_graph(x.device)
-    return linear(x, payload_for_op(spec, tensors), bias, x_as_is=not capturing)
+    return linear(x, payload_for_op(spec, tensors), bias)
 
 
 @linear_op.register_fake
 def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
-    return x.new_empty((*x.shape[:-1], spec_from_key(spec).shape[0]))
+    out_features, in_features = spec_from_key(spec).shape
+    if x.shape[-1] != in_features:  # checked once, when traced (the modules' compiled forward)
+        raise ValueError(
+            f"the quantized linear expects inputs with {in_features} features in the last dim; "
+            f"got shape {list(x.shape)}"
+        )
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("qlens::linear_regrouped_row", mutates_args=())
+def linear_regrouped_row_op(
+    xp: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """``x @ W.T + bias`` (``[1, n]`` of ``dtype``) for one row ``x`` of ``dtype`` given
+    regrouped, ``xp = permute_codes(x, for_dot=False)``: see :func:`compiled_linear`."""
+    from qlens.kernels.plan import plan_for
+
+    plan = plan_for(payload_for_op(spec, tensors), xp.device, x_as_is=False)
+    return plan.regrouped_row(xp, bias, dtype)
+
+
+@linear_regrouped_row_op.register_fake
+def _linear_regrouped_row_fake(
+    xp: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    return xp.new_empty((1, spec_from_key(spec).shape[0]), dtype=dtype)
 
 
 @torch.library.custom_op("qlens::linear_backward", mutates_args=())
@@ -136,10 +156,47 @@ def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
 experts_linear_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
+# Elements of the packed 4-bit formats whose single rows a compiled graph regroups, and the
+# devices where it does (their one-row GEMV reads regrouped rows faster: ``gemv.PackedGemv``).
+REGROUPED_ELEMENTS = frozenset({"e2m1"})
+REGROUPING_DEVICES = frozenset({"cuda"})
+
+
+@torch.compiler.assume_constant_result
+def _regroups_one_row(spec: str, device_type: str, in_features: int) -> bool:
+    """Whether a compiled graph regroups one row of ``in_features`` on a ``device_type`` device
+    for the payload ``spec`` (a constant of the trace, decided when it is traced)."""
+    payload_spec = spec_from_key(spec)
+    fmt = payload_spec.format
+    return (
+        device_type in REGROUPING_DEVICES
+        and fmt.bits == 4
+        and fmt.element in REGROUPED_ELEMENTS
+        and payload_spec.shape == (payload_spec.shape[0], in_features)
+    )
+
+
 def compiled_linear(
     x: Float[Tensor, "*batch k"], tensors: list[Tensor], spec: str, bias: Tensor | None
 ) -> Float[Tensor, "*batch n"]:
-    """``qlens::linear`` (what a module's forward calls while ``torch.compile`` traces it)."""
+    """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or
+    for a single E2M1 row, the row regrouped in the graph (``permute_codes``: a transpose and a
+    cast, which inductor fuses into the kernel that made ``x``, such as the RMSNorm before the
+    q/k/v projections, and computes once for the projections sharing ``x``) and
+    ``qlens::linear_regrouped_row``. So the GEMV reads the row regrouped, its faster form,
+    without a regrouping launch of its own."""
+    one_row = x.dim() >= 1 and x.numel() == x.shape[-1]
+    if (
+        one_row
+        and not x.requires_grad
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and _regroups_one_row(spec, x.device.type, int(x.shape[-1]))
+    ):
+        from qlens.kernels.code_order import permute_codes
+
+        xp = permute_codes(x.reshape(1, x.shape[-1]), for_dot=False)
+        out = torch.ops.qlens.linear_regrouped_row(xp, tensors, spec, bias, x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
     return torch.ops.qlens.linear(x, tensors, spec, bias)
 
 

@@ -21,7 +21,7 @@ code position); it reads ``x`` in the caller's layout and dtype, as one contiguo
 nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
 one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran at 0.06-0.07x bf16 on
 the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
-position (``qlens.kernels.gemv.permute_codes``).
+position (``qlens.kernels.code_order.permute_codes``).
 """
 
 from typing import no_type_check

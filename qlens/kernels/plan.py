@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.code_order import restore_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
 from qlens.kernels.reference import reference_linear
@@ -58,10 +59,10 @@ class LinearPlan:
     On the kernel route each (row count, activation dtype, bias or none) gets its launch
     prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
     so a later call allocates the output and launches. ``route`` overrides the choice (the
-    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` lets a
-    single E2M1 row be regrouped before the packed GEMV (one more launch, a faster kernel:
-    what a CUDA graph wants, since its replays cost no host time a launch; see
-    ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps it on the payload.
+    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` has a
+    single E2M1 row read regrouped by the packed GEMV (a faster kernel; the row comes regrouped
+    from a compiled graph through :meth:`regrouped_row`, or is regrouped first, one more
+    launch; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps it on the payload.
     """
 
     def __init__(
@@ -101,6 +102,25 @@ class LinearPlan:
         if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
             return self._dequantize(x, bias)
         return reference_linear(x, self.payload, bias)
+
+    def regrouped_row(
+        self, xp: Float[Tensor, "1 8 words"], bias: Float[Tensor, " n"] | None, dtype: torch.dtype
+    ) -> Float[Tensor, "1 n"]:
+        """``x @ W.T + bias`` for one row ``x`` of ``dtype`` that a compiled graph regrouped
+        (``permute_codes(x, for_dot=False)``): the packed GEMV reads it so where this plan's
+        one-row launch regroups (``x_as_is=False``, E2M1); any other launch gets the row back."""
+        k = self.payload.shape[-1]
+        if self.route == "kernel" and dtype in ACTIVATION_DTYPES:
+            shape = torch.Size((1, k))
+            call = self._calls.get((shape, dtype, bias is None))
+            if call is None:
+                call = self._prepare(shape, dtype, bias is None)
+            from qlens.kernels.gemv import PackedGemv  # Triton: the launch is prepared
+
+            if isinstance(call, PackedGemv) and call.regroup and not call.for_dot:
+                # inductor may hand the graph's regrouped row over in another layout
+                return call.on_kernel_rows(xp if xp.is_contiguous() else xp.contiguous(), bias)
+        return self(restore_codes(xp, k, dtype), bias)
 
     def config(self, m: int) -> LinearConfig:
         """The launch for ``m`` rows (chosen once per row count)."""
@@ -191,7 +211,7 @@ def linear(
     (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
     CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
     made on the first call and kept on the payload. ``x_as_is``: see :class:`LinearPlan`
-    (the ``qlens::linear`` op passes False while a CUDA graph is being captured).
+    (``qlens::linear_regrouped_row`` runs the ``x_as_is=False`` plan).
     """
     return plan_for(payload, x.device, x_as_is=x_as_is)(x, bias)
 

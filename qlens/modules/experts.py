@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from qlens.modules.dispatch import fused_experts_forward, traced_experts_forward
 from qlens.modules.expert_gate import ExpertGate
-from qlens.modules.payload_buffers import PayloadModule
+from qlens.modules.payload_buffers import PayloadModule, traced_payload
 from qlens.quant.expert_payloads import num_experts_of
 from qlens.quant.payload import QuantPayload
 
@@ -95,8 +95,8 @@ class QuantExperts(PayloadModule):
         if torch.compiler.is_compiling():
             return traced_experts_forward(
                 hidden_states, index, weights,
-                (self.payload_tensors("gate_up"), self.payload_key("gate_up"), self.num_experts),
-                (self.payload_tensors("down"), self.payload_key("down")),
+                (*traced_payload(self._buffers, self._traced_gate_up), self.num_experts),
+                traced_payload(self._buffers, self._traced_down),
                 self.gate_up_bias, self.down_bias, self.gate.apply,
             )  # fmt: skip
         return fused_experts_forward(

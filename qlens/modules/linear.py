@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from qlens.kernels.ops import compiled_linear
-from qlens.modules.payload_buffers import PayloadModule
+from qlens.modules.payload_buffers import PayloadModule, traced_payload
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (
@@ -60,14 +60,13 @@ class QuantLinear(PayloadModule):
     def forward(
         self, x: Float[Tensor, "*batch in_features"]
     ) -> Float[Tensor, "*batch out_features"]:
+        if torch.compiler.is_compiling():  # the op's fake checks the shape, once, when traced
+            tensors, key = traced_payload(self._buffers, self._traced_weight)
+            return compiled_linear(x, tensors, key, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"QuantLinear expects inputs with {self.in_features} features in the last dim; "
                 f"got shape {list(x.shape)}"
-            )
-        if torch.compiler.is_compiling():
-            return compiled_linear(
-                x, self.payload_tensors("weight"), self.payload_key("weight"), self.bias
             )
         return self.linear_plan("weight", x)(x, self.bias)
 

@@ -16,7 +16,7 @@ from qlens.modules.dispatch import check_payload_device
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import PayloadSpec
 
-__all__ = ["PayloadModule", "PayloadSpec", "buffer_name"]
+__all__ = ["PayloadModule", "PayloadSpec", "buffer_name", "traced_payload"]
 
 P = TypeVar("P", LinearPlan, ExpertsPlan)
 
@@ -24,6 +24,24 @@ P = TypeVar("P", LinearPlan, ExpertsPlan)
 def buffer_name(prefix: str, tensor_name: str) -> str:
     """Buffer holding one payload tensor: ``{prefix}_data``, ``{prefix}_scales``, ``{prefix}_extra_<k>``."""
     return f"{prefix}_{tensor_name.replace('.', '_')}"
+
+
+def traced_attribute(prefix: str) -> str:
+    """The attribute holding what a traced forward passes the ops for the payload ``prefix``."""
+    return f"_traced_{prefix}"
+
+
+def traced_payload(
+    buffers: dict[str, Any], traced: tuple[str, tuple[str, ...]]
+) -> tuple[list[torch.Tensor], str]:
+    """The payload's buffers and spec key, as a forward passes them to the ``qlens::`` ops
+    while ``torch.compile`` traces it (``buffers``: the module's ``_buffers``; ``traced``: its
+    ``traced_attribute``). A plain function over one plain attribute, so that dynamo guards the
+    tensors and one tuple of names, not the module's methods and bookkeeping dicts: on a
+    32-layer model that makes the guard check a quarter cheaper (``benchmarks/compile_guards.py``).
+    """
+    key, names = traced
+    return [buffers[name] for name in names], key
 
 
 class PayloadModule(nn.Module):
@@ -54,6 +72,7 @@ class PayloadModule(nn.Module):
         self._payload_specs[prefix] = spec
         self._payload_keys[prefix] = spec.key
         self._payload_buffers[prefix] = tuple(buffer_name(prefix, n) for n in spec.tensor_names)
+        setattr(self, traced_attribute(prefix), (spec.key, self._payload_buffers[prefix]))
         for name, tensor in payload.tensors().items():
             self.register_buffer(buffer_name(prefix, name), tensor)
         self.prepare_payloads()

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
 from qlens.kernels import LinearConfig, gemv, quantized_linear
+from qlens.kernels.code_order import permute_codes
 from qlens.kernels.dispatch import default_config
-from qlens.kernels.gemv import permute_codes, word_view
+from qlens.kernels.gemv import word_view
 from qlens.kernels.packed_gemv import (
     E2M1_FP16_FACTOR,
     E2M1_MAGNITUDE_MASK,
@@ -129,6 +130,41 @@ def test_packed_gemv_matches_reference(case, as_is):
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
         out = gemv.prepare_gemv(view, m, x.dtype, True, cfg, x_as_is=as_is)(x, bias)
         assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+def test_a_regrouped_row_takes_the_regrouping_launch_with_no_regrouping_of_its_own(
+    case, dtype, monkeypatch
+):
+    """``LinearPlan.regrouped_row`` (what a compiled graph calls with a row it regrouped): on
+    the plan that regroups E2M1 rows the packed GEMV reads the given row itself, with no
+    ``permute_codes`` of its own, and gives what the row read as it is gives; int4 rows (read
+    as they are) are restored and run that way."""
+    from qlens.kernels.plan import LinearPlan
+
+    payload = quantized(40, 328, case)
+    x, bias = torch.randn(1, 328).to(dtype), torch.randn(40).to(dtype)
+    xp = permute_codes(x, for_dot=False)
+    fed: list[torch.Tensor] = []
+    kernel_rows = gemv.PackedGemv.on_kernel_rows
+
+    def recording(self, rows, *args):
+        fed.append(rows)
+        return kernel_rows(self, rows, *args)
+
+    monkeypatch.setattr(gemv.PackedGemv, "on_kernel_rows", recording)
+    cpu = torch.device("cpu")
+    out = LinearPlan(payload, cpu, "kernel", x_as_is=False).regrouped_row(xp, bias, dtype)
+    assert len(fed) == 1
+    e2m1 = case[0] != "int4"
+    assert (fed[0] is xp) is e2m1
+    as_is = LinearPlan(payload, cpu, "kernel")(x, bias)
+    assert out.dtype == dtype
+    if e2m1:  # the same products, summed in the same order: x read either way
+        assert torch.equal(out, as_is)
+    else:
+        assert torch.equal(out, as_is) and torch.equal(fed[0], x)
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)

@@ -8,7 +8,7 @@ import torch
 from beartype.roar import BeartypeCallHintViolation
 from jaxtyping import TypeCheckError
 
-from qlens.kernels.gemv import permute_codes
+from qlens.kernels.code_order import permute_codes
 
 
 @pytest.mark.parametrize(

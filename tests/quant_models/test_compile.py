@@ -4,10 +4,13 @@ stay on (tests/typecheck_outside_compile.py skips them only inside traced code).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_models import input_ids, make_model
 
+from benchmarks._dynamo_guards import logged_guards
 from qlens.bridge import Bridge
 from qlens.kernels import ops
 from qlens.modules import QuantExperts, QuantLinear
@@ -52,6 +55,58 @@ def test_a_quant_linear_traces_to_one_op_with_no_graph_break() -> None:
     graph = explanation.graphs[0].graph
     targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
     assert targets == ["qlens.linear"]
+
+
+def test_a_compiled_quant_linear_rejects_inputs_of_another_width() -> None:
+    layer = QuantLinear(quantize_weight(torch.randn(48, 96), "int4"))
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"expects inputs with 96 features .* shape \[3, 95\]"):
+        compiled(torch.randn(3, 95))
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "int4"])
+def test_one_e2m1_row_is_regrouped_in_the_compiled_graph(scheme: str, monkeypatch) -> None:
+    """One token's E2M1 rows are regrouped in the graph and reach the GEMV through
+    ``qlens::linear_regrouped_row`` (on GPUs; here the CPU takes that path too), exactly as
+    eager; int4 rows, several rows and the CPU by default keep ``qlens::linear``."""
+    model = quantize(make_model("llama"), scheme)
+    token, tokens = input_ids()[:1, :1], input_ids()[:1]
+
+    def traced_ops(ids: torch.Tensor) -> set[str]:
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(ids)
+        assert explanation.graph_break_count == 0
+        nodes = [n for g in explanation.graphs for n in g.graph.nodes]
+        return {str(n.target) for n in nodes if "qlens" in str(n.target)}
+
+    with torch.no_grad():
+        assert traced_ops(token) == {"qlens.linear"}  # the CPU is not a regrouping device
+        monkeypatch.setattr(ops, "REGROUPING_DEVICES", frozenset({"cuda", "cpu"}))
+        regrouped = {"qlens.linear_regrouped_row"} if scheme != "int4" else {"qlens.linear"}
+        assert traced_ops(token) == regrouped
+        assert traced_ops(tokens) == {"qlens.linear"}
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(token).logits, model(token).logits)
+
+
+# What a traced quantized forward must not read: guards on them cost every compiled call.
+BOOKKEEPING = ("_payload_keys", "_payload_buffers", "_payload_specs", "payload_tensors",
+               "payload_key", "_prepared", "_plans", "in_features")  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("llama", "int4"), ("qwen3_moe", "mxfp4")])
+def test_compiled_quant_modules_guard_their_tensors_not_their_bookkeeping(
+    family: str, scheme: str
+) -> None:
+    model = quantize(make_model(family), scheme)
+    ids = input_ids()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        guards = logged_guards(lambda: compiled(ids))
+    assert "_buffers['weight_data']" in guards or "_buffers['gate_up_data']" in guards, guards
+    read = [name for name in BOOKKEEPING if re.search(rf"[.'\"]{name}\b", guards)]
+    assert read == []
 
 
 @pytest.mark.parametrize(("family", "scheme"), MOE_CASES)

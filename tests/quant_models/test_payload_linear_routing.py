@@ -129,14 +129,15 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     assert seen == [True, False, False, True]
 
 
-def test_op_regroups_one_row_under_graph_capture_only(monkeypatch) -> None:
-    """``qlens::linear`` (what compiled code calls) takes the plan that regroups a single row
-    before the packed GEMV while a CUDA graph is being captured, and the one that reads it as
-    it is otherwise (as eager calls do). Two plans, kept apart on the payload."""
-    import qlens.kernels.ops as ops  # registers torch.ops.qlens
+def test_the_linear_op_runs_the_eager_plan_and_the_regrouped_row_op_its_own(monkeypatch) -> None:
+    """``qlens::linear`` takes the plan an eager call takes (x as it is, captured or not);
+    ``qlens::linear_regrouped_row`` (one row a compiled graph regrouped) the plan that reads
+    E2M1 rows regrouped. Two plans, kept apart on the payload; both give the eager result."""
+    import qlens.kernels.ops  # noqa: F401 - registers torch.ops.qlens
+    from qlens.kernels.code_order import permute_codes
     from qlens.quant.payload_spec import PayloadSpec
 
-    payload = quantize_weight(torch.randn(8, 64), "int4")
+    payload = quantize_weight(torch.randn(8, 64), "nvfp4")
     seen: list[bool] = []
     real = plan.plan_for
 
@@ -150,8 +151,9 @@ def test_op_regroups_one_row_under_graph_capture_only(monkeypatch) -> None:
     x = torch.randn(1, 64)
     eager = plan.linear(x, payload)
     assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
-    monkeypatch.setattr(ops, "capturing_cuda_graph", lambda device: True)
-    assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
+    xp = permute_codes(x, for_dot=False)
+    rows = torch.ops.qlens.linear_regrouped_row(xp, tensors, spec.key, None, torch.float32)
+    assert torch.equal(rows, eager)
     assert seen == [True, True, False]
     regrouped = real(payload, META, x_as_is=False)
     assert regrouped is real(payload, META, x_as_is=False) and regrouped is not real(payload, META)
