@@ -174,6 +174,24 @@ def test_the_linear_op_passes_opcheck(scheme: str, kwargs: dict) -> None:
     torch.library.opcheck(ops.linear_op, (x, tensors, key, None), test_utils=_checks(tensors))
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_the_regrouped_row_op_passes_opcheck(scheme: str) -> None:
+    from qlens.kernels.code_order import permute_codes
+
+    payload = quantize_weight(torch.randn(40, 128), scheme)
+    tensors, key = list(payload.tensors().values()), PayloadSpec.of(payload).key
+    xp = permute_codes(torch.randn(1, 128), for_dot=False)
+    for bias, dtype in (
+        (None, torch.float32),
+        (torch.randn(40), torch.float32),
+        (None, torch.bfloat16),
+    ):
+        torch.library.opcheck(
+            ops.linear_regrouped_row_op, (xp, tensors, key, bias, dtype),
+            test_utils=_checks(tensors),
+        )  # fmt: skip
+
+
 def _checks(tensors: list[torch.Tensor]) -> tuple[str, ...]:
     """Every opcheck test; the schema test compares inputs with arithmetic that CPU torch lacks
     for float8 tensors, so payloads holding one skip it."""
