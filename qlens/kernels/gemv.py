@@ -175,10 +175,8 @@ class PackedGemv:
         prepared with, and dtype; expert ids as int32)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        if self.regroup:
-            return self.on_kernel_rows(permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot),
-                                  bias, ids)  # fmt: skip
-        return self.on_kernel_rows(x, bias, ids)
+        xp = permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot) if self.regroup else x
+        return self.on_kernel_rows(xp, bias, ids)
 
     def on_kernel_rows(
         self, xp: Float[Tensor, "..."], bias: Tensor | None, ids: Tensor | None = None

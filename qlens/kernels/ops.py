@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.op_payloads import payload_for_op
 from qlens.quant.payload_spec import spec_from_key
 
@@ -172,7 +173,8 @@ def _regroups_one_row(spec: str, device_type: str, in_features: int) -> bool:
         device_type in REGROUPING_DEVICES
         and fmt.bits == 4
         and fmt.element in REGROUPED_ELEMENTS
-        and payload_spec.shape == (payload_spec.shape[0], in_features)
+        and len(payload_spec.shape) == 2
+        and payload_spec.shape[1] == in_features
     )
 
 
@@ -181,15 +183,15 @@ def compiled_linear(
 ) -> Float[Tensor, "*batch n"]:
     """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or
     for a single E2M1 row, the row regrouped in the graph (``permute_codes``: a transpose and a
-    cast, which inductor fuses into the kernel that made ``x``, such as the RMSNorm before the
-    q/k/v projections, and computes once for the projections sharing ``x``) and
+    cast, which inductor can fuse into the kernel that made ``x``, such as the RMSNorm before
+    the q/k/v projections, and compute once for the projections sharing ``x``) and
     ``qlens::linear_regrouped_row``. So the GEMV reads the row regrouped, its faster form,
     without a regrouping launch of its own."""
     one_row = x.dim() >= 1 and x.numel() == x.shape[-1]
     if (
         one_row
         and not x.requires_grad
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.dtype in ACTIVATION_DTYPES  # others would not survive the float32 regrouping
         and _regroups_one_row(spec, x.device.type, int(x.shape[-1]))
     ):
         from qlens.kernels.code_order import permute_codes

@@ -37,8 +37,8 @@ def traced_payload(
     """The payload's buffers and spec key, as a forward passes them to the ``qlens::`` ops
     while ``torch.compile`` traces it (``buffers``: the module's ``_buffers``; ``traced``: its
     ``traced_attribute``). A plain function over one plain attribute, so that dynamo guards the
-    tensors and one tuple of names, not the module's methods and bookkeeping dicts: on a
-    32-layer model that makes the guard check a quarter cheaper (``benchmarks/compile_guards.py``).
+    tensors and one tuple of names, not the module's methods and bookkeeping dicts (on a
+    32-layer int4 model, 15% less guard-check time: ``benchmarks/results/compile_guards_cpu.md``).
     """
     key, names = traced
     return [buffers[name] for name in names], key
@@ -61,7 +61,6 @@ class PayloadModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._payload_specs: dict[str, PayloadSpec] = {}
-        self._payload_keys: dict[str, str] = {}
         self._payload_buffers: dict[str, tuple[str, ...]] = {}
         self._prepared: dict[str, tuple[tuple[torch.Tensor, ...], QuantPayload]] = {}
         self._plans: dict[str, tuple[tuple[torch.Tensor, ...], LinearPlan | ExpertsPlan]] = {}
@@ -70,7 +69,6 @@ class PayloadModule(nn.Module):
         """Register every tensor of ``payload`` as a persistent buffer under ``prefix``."""
         spec = PayloadSpec.of(payload)
         self._payload_specs[prefix] = spec
-        self._payload_keys[prefix] = spec.key
         self._payload_buffers[prefix] = tuple(buffer_name(prefix, n) for n in spec.tensor_names)
         setattr(self, traced_attribute(prefix), (spec.key, self._payload_buffers[prefix]))
         for name, tensor in payload.tensors().items():
@@ -80,10 +78,6 @@ class PayloadModule(nn.Module):
     def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
         """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
         return [self._payload_buffer(name) for name in self._payload_buffers[prefix]]
-
-    def payload_key(self, prefix: str) -> str:
-        """The ``PayloadSpec.key`` of the payload under ``prefix`` (what the custom ops take)."""
-        return self._payload_keys[prefix]
 
     def payload_for(self, prefix: str) -> QuantPayload:
         """The payload registered under ``prefix``, on the buffers as they are now."""
@@ -96,7 +90,7 @@ class PayloadModule(nn.Module):
         tensors = tuple(self.payload_tensors(prefix))
         payload = spec.build(tensors)
         self._prepared[prefix] = (tensors, payload)
-        offer_to_ops(payload, tensors, self._payload_keys[prefix])
+        offer_to_ops(payload, tensors, spec.key)
         return payload
 
     def linear_plan(self, prefix: str, x: torch.Tensor) -> LinearPlan:
