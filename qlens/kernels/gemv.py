@@ -22,7 +22,7 @@ from torch import Tensor
 from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
-from qlens.kernels.fast_launch import FastLaunch
+from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.layout_view import INT4
 from qlens.kernels.packed_gemv import packed_gemv_kernel
@@ -100,7 +100,38 @@ def _packed_block_m(m: int, cfg: LinearConfig, *, experts: bool) -> int:
     return max(16, cfg.block_m)
 
 
-class PackedGemv:
+class _SplitGemv:
+    """What the prepared GEMVs share: the output (and, when K is split, the float32 partials)
+    allocated per call, the prepared launch, then the split reduction."""
+
+    launch: PreparedLaunch
+    reduce: PreparedLaunch | None
+    out_shape: tuple[int, ...]
+    partials_shape: tuple[int, ...] | None
+    dtype: torch.dtype
+    device: torch.device
+    has_bias: bool
+
+    def run(self, x: Tensor, bias: Tensor | None, ids: Tensor | None = None) -> Tensor:
+        """Launch on the kernel-ready rows ``x`` (then the bias, the output, the partials and
+        the expert ids where the launch reads them) and return the output."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        tensors = [x, bias, out] if self.has_bias else [x, out]
+        if self.partials_shape is not None:
+            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
+            tensors.append(partials)
+        if ids is not None:
+            tensors.append(ids)
+        self.launch(*tensors)
+        if self.reduce is not None:
+            if bias is not None:
+                self.reduce(partials, bias, out)
+            else:
+                self.reduce(partials, out)
+        return out
+
+
+class PackedGemv(_SplitGemv):
     """The word-wise GEMV of one weight for ``m`` rows of one dtype, prepared once: grid,
     strides, constants and the weight's tensors are fixed, so a call allocates the output and
     launches (plus the split reduction when K is split).
@@ -183,23 +214,10 @@ class PackedGemv:
     ) -> Float[Tensor, "*rows n"]:
         """``x @ W.T + bias`` on ``xp``: the rows as the kernel reads them (contiguous;
         ``permute_codes(x, for_dot=...)`` when :attr:`regroup`, else ``x`` itself)."""
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        tensors = [xp, bias, out] if self.has_bias else [xp, out]
-        if self.partials_shape is not None:
-            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
-            tensors.append(partials)
-        if ids is not None:
-            tensors.append(ids)
-        self.launch(*tensors)
-        if self.reduce is not None:
-            if bias is not None:
-                self.reduce(partials, bias, out)
-            else:
-                self.reduce(partials, out)
-        return out
+        return self.run(xp, bias, ids)
 
 
-class ByteGemv:
+class ByteGemv(_SplitGemv):
     """The byte-wise GEMV of one weight for ``m`` rows (contiguous), prepared once like
     :class:`PackedGemv`."""
 
@@ -237,20 +255,7 @@ class ByteGemv:
         self, x: Float[Tensor, "*rows k"], bias: Tensor | None
     ) -> Float[Tensor, "*rows n"]:
         """``x @ W.T + bias`` (``x``: the prepared rows, leading shape and dtype)."""
-        if not x.is_contiguous():
-            x = x.contiguous()
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        tensors = [x, bias, out] if self.has_bias else [x, out]
-        if self.partials_shape is not None:
-            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
-            tensors.append(partials)
-        self.launch(*tensors)
-        if self.reduce is not None:
-            if bias is not None:
-                self.reduce(partials, bias, out)
-            else:
-                self.reduce(partials, out)
-        return out
+        return self.run(x if x.is_contiguous() else x.contiguous(), bias)
 
 
 GemvCall = Callable[[Tensor, Tensor | None], Tensor]
