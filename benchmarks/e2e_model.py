@@ -140,17 +140,19 @@ def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) ->
         forget_compiled(model)
 
 
-def paired_speedup(bf16_run: Callable[[], None], run: Callable[[], None], repeats: int) -> float:
-    """bf16's time over this model's, as the median over ``repeats`` back-to-back pairs (bf16,
-    then this model, each synchronized): a host whose speed drifts slows both sides of a pair
-    alike, where two separate medians minutes apart can differ by tens of percent."""
+def paired_time_ratio(
+    top_run: Callable[[], None], bottom_run: Callable[[], None], repeats: int
+) -> float:
+    """``top_run``'s time over ``bottom_run``'s, as the median over ``repeats`` back-to-back
+    pairs (each run synchronized): a host whose speed drifts slows both sides of a pair alike,
+    where two separate medians minutes apart can differ by tens of percent."""
 
     def timed(call: Callable[[], None]) -> float:
         return median_wall_s(call, repeats=1, warmup=0)
 
-    bf16_run()
-    run()  # both warm
-    ratios = sorted(timed(bf16_run) / timed(run) for _ in range(repeats))
+    top_run()
+    bottom_run()  # both warm
+    ratios = sorted(timed(top_run) / timed(bottom_run) for _ in range(repeats))
     return ratios[len(ratios) // 2]
 
 
@@ -164,11 +166,11 @@ def measure_paired(row: Row, model: nn.Module, base: nn.Module, work: Workload) 
         return run
 
     row.measure(
-        "paired_prefill", lambda: paired_speedup(prefill(base), prefill(model), work.repeats)
+        "paired_prefill", lambda: paired_time_ratio(prefill(base), prefill(model), work.repeats)
     )
     row.measure(
         "paired_decode",
-        lambda: paired_speedup(
+        lambda: paired_time_ratio(
             decode_call(hf_generate(base), work, work.decode_tokens),
             decode_call(hf_generate(model), work, work.decode_tokens),
             work.repeats,
@@ -226,6 +228,14 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
     )
     generate = bridge_generate(bridge)
     row.measure("decode", lambda: tokens_per_s(generate, work))
+    row.measure(
+        "paired_bridge_decode",
+        lambda: paired_time_ratio(
+            decode_call(generate, work, work.decode_tokens),
+            decode_call(hf_generate(model), work, work.decode_tokens),
+            work.repeats,
+        ),
+    )
     layer = bridge.cfg.n_layers // 2
     direction = torch.randn(
         bridge.cfg.d_model,
@@ -344,6 +354,7 @@ COLUMNS = (
     "HF decode vs NF4",
     "HF prefill vs bf16, paired",
     "HF decode vs bf16, paired",
+    "bridge overhead decode, paired",
 )
 
 
@@ -396,6 +407,7 @@ def table(rows: list[Row]) -> list[str]:
             ratio(num(c, "hf_decode"), num(nf4, "hf_decode")),
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_prefill"),
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_decode"),
+            paired(c, "paired_bridge_decode"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -472,7 +484,8 @@ def main(argv: list[str] | None = None) -> str:
         "bridge's time / the plain HF model's time on the same model (1.00x = no cost). "
         "The paired columns time bf16 and this model back to back, alternating, and give the "
         "median of bf16's time / this model's over the pairs (robust to a host whose speed "
-        "drifts during the run). "
+        "drifts during the run); the paired bridge overhead alternates the bridge's and the "
+        "plain HF model's decode of the same model (its time over HF's). "
         "bitsandbytes rows run through plain HF only, and quantize `nn.Linear` layers only (the "
         "MoE's fused experts stay bf16). Cells starting with `error:` are "
         "measurements that failed.",

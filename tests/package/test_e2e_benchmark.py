@@ -46,6 +46,10 @@ def test_tiny_run_measures_every_cell(tmp_path):
     for row in (int4, nf4):
         for column in ("HF prefill vs bf16, paired", "HF decode vs bf16, paired"):
             assert row[column].endswith("x") and float(row[column][:-1]) > 0, (column, row)
+    for row in (bf16, int4):  # the bridge against plain HF on the same model, in pairs
+        overhead = row["bridge overhead decode, paired"]
+        assert overhead.endswith("x") and float(overhead[:-1]) > 0, row
+    assert nf4["bridge overhead decode, paired"] == ""  # no bridge for bitsandbytes rows
     assert int4["compiled tok/s"] == "-"  # not in --compile-schemes
     # int4 with group 128 stores 4.125 bits per weight against 16; embeddings and the
     # unembedding stay bf16, so the tiny model shrinks less than 16 / 4.125.
@@ -114,6 +118,19 @@ def test_table_ratios_against_bf16_and_nf4():
     nf4 = cells_of(text, "bnb-nf4")
     assert nf4["decode tok/s"] == "error: X" and nf4["decode vs bf16"] == ""
     assert nf4["compiled tok/s"] == "-" and math.isclose(float(nf4["HF decode tok/s"]), 25.0)
+
+
+def test_paired_time_ratio_is_the_median_of_alternating_pairs(monkeypatch):
+    # Each side's timed runs, in call order: the host slows down between pairs (the ratio of
+    # the first two pairs stays 2) and one pair is an outlier.
+    times = iter([4.0, 2.0, 8.0, 4.0, 40.0, 10.0])
+    monkeypatch.setattr(e2e_model, "median_wall_s", lambda call, repeats, warmup: next(times))
+    calls: list[str] = []
+    ratio = e2e_model.paired_time_ratio(
+        lambda: calls.append("top"), lambda: calls.append("bottom"), repeats=3
+    )
+    assert calls == ["top", "bottom"]  # the warm-up runs; the timed ones go through the stub
+    assert ratio == 2.0  # pairs 2.0, 2.0 and 4.0: their median
 
 
 def test_unknown_scheme_is_an_error_naming_the_choices():
