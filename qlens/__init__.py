@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "quantize": "qlens.modules.model_quantize",
     "QuantLinear": "qlens.modules",
     "QuantExperts": "qlens.modules",
+    "set_w8a8": "qlens.modules.w8a8",
     "save_quantized": "qlens.modules.serialization",
     "load_quantized": "qlens.modules.serialization",
     "reroute_quantized_modules": "qlens.modules.reroute",

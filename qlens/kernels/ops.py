@@ -40,6 +40,18 @@ def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | Non
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("qlens::w8a8_linear", mutates_args=())
+def w8a8_linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
+    """``qlens::linear`` with the activations quantized to FP8 per token and K block first
+    (block FP8 weights: ``LinearPlan(w8a8=True)``)."""
+    from qlens.kernels.plan import linear
+
+    return linear(x, payload_for_op(spec, tensors), bias, w8a8=True)
+
+
+w8a8_linear_op.register_fake(_linear_fake)
+
+
 @torch.library.custom_op("qlens::linear_regrouped_row", mutates_args=())
 def linear_regrouped_row_op(
     xp: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None, dtype: torch.dtype
@@ -87,6 +99,8 @@ def _linear_backward(ctx, grad):  # type: ignore[no-untyped-def]
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+# The activations' FP8 rounding passes the gradient straight through.
+w8a8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def _dequantized(spec: str, tensors: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -179,14 +193,20 @@ def _regroups_one_row(spec: str, device_type: str, in_features: int) -> bool:
 
 
 def compiled_linear(
-    x: Float[Tensor, "*batch k"], tensors: list[Tensor], spec: str, bias: Tensor | None
+    x: Float[Tensor, "*batch k"],
+    tensors: list[Tensor],
+    spec: str,
+    bias: Tensor | None,
+    w8a8: bool = False,
 ) -> Float[Tensor, "*batch n"]:
     """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or
     for a single E2M1 row, the row regrouped in the graph (``permute_codes``: a transpose and a
     cast, which inductor can fuse into the kernel that made ``x``, such as the RMSNorm before
     the q/k/v projections, and compute once for the projections sharing ``x``) and
     ``qlens::linear_regrouped_row``. So the GEMV reads the row regrouped, its faster form,
-    without a regrouping launch of its own."""
+    without a regrouping launch of its own. ``w8a8``: ``qlens::w8a8_linear``."""
+    if w8a8:
+        return torch.ops.qlens.w8a8_linear(x, tensors, spec, bias)
     one_row = x.dim() >= 1 and x.numel() == x.shape[-1]
     if (
         one_row

@@ -4,7 +4,8 @@ Routes: ``"kernel"`` (qlens' fused Triton kernels), ``"dequantize"`` (a Triton d
 kernel, then cuBLAS: formats with no fused kernel) and ``"reference"`` (torch dequantize, then
 matmul: the CPU, and anything the kernels cannot read). A :class:`LinearPlan` holds the checked
 launch view and the launch chosen per row count, so a call does no payload checks, no table
-walk and no device query.
+walk and no device query. A W8A8 plan (block FP8 only) quantizes the activations to FP8 per
+token and K block first, on every route.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 from qlens.kernels.code_order import restore_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
-from qlens.kernels.reference import reference_linear
+from qlens.kernels.reference import reference_linear, reference_w8a8_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
 from qlens.quant.payload import QuantPayload
@@ -30,6 +31,8 @@ from qlens.quant.payload import QuantPayload
 logger = logging.getLogger(__name__)
 
 Route = Literal["kernel", "dequantize", "reference"]
+# Formats whose plans can quantize the activations too (W8A8).
+W8A8_FORMATS = ("fp8_block",)
 ROUTES = ("kernel", "dequantize", "reference")
 # Launches kept per plan (one per row count seen); beyond this the table starts afresh.
 _MAX_KEPT_CONFIGS = 512
@@ -50,6 +53,15 @@ def choose_route(payload: QuantPayload, device: torch.device) -> tuple[Route, st
     return "reference", problem or unsupported_reason(payload) or "unsupported"
 
 
+def require_w8a8_format(format_name: str) -> None:
+    """Raise unless weights of ``format_name`` can run W8A8 (FP8 activations)."""
+    if format_name not in W8A8_FORMATS:
+        raise ValueError(
+            f"W8A8 (FP8 activations) runs {'/'.join(W8A8_FORMATS)} weights only; this weight "
+            f"is {format_name}. Run it weight-only (w8a8=False)."
+        )
+
+
 LaunchCall = Callable[[Tensor, Tensor | None], Tensor]
 
 
@@ -62,7 +74,9 @@ class LinearPlan:
     kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` has a
     single E2M1 row read regrouped by the packed GEMV (a faster kernel; the row comes regrouped
     from a compiled graph through :meth:`regrouped_row`, or is regrouped first, one more
-    launch; see ``gemv.PackedGemv``). Built by :func:`plan_for`, which keeps it on the payload.
+    launch; see ``gemv.PackedGemv``). ``w8a8=True`` (``fp8_block`` payloads) quantizes the
+    activations per token and K block to FP8 and multiplies on FP8 tensor cores, as
+    ``reference_w8a8_linear`` computes. Built by :func:`plan_for`, which keeps it on the payload.
     """
 
     def __init__(
@@ -72,7 +86,10 @@ class LinearPlan:
         route: Route | None = None,
         *,
         x_as_is: bool = True,
+        w8a8: bool = False,
     ):
+        if w8a8:
+            require_w8a8_format(payload.format.name)
         reason = None
         if route is None:
             route, reason = choose_route(payload, device)
@@ -81,6 +98,7 @@ class LinearPlan:
         self.payload = payload
         self.device = device
         self.x_as_is = x_as_is
+        self.w8a8 = w8a8
         self.route: Route = route
         self.view: KernelWeight | None = kernel_weight(payload) if route == "kernel" else None
         self._configs: dict[int, LinearConfig] = {}
@@ -99,6 +117,8 @@ class LinearPlan:
             return call(x, bias)
         if self.route == "kernel" and x.dtype in ACTIVATION_DTYPES:
             return self._kernel(x, bias)
+        if self.w8a8:
+            return reference_w8a8_linear(x, self.payload, bias)
         if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
             return self._dequantize(x, bias)
         return reference_linear(x, self.payload, bias)
@@ -129,7 +149,7 @@ class LinearPlan:
             assert self.view is not None, "only the kernel route has launches"
             if len(self._configs) >= _MAX_KEPT_CONFIGS:
                 self._configs.clear()
-            config = self._configs[m] = _weight_config(self.view, m, self.device, False)
+            config = self._configs[m] = _weight_config(self.view, m, self.device, self.w8a8)
         return config
 
     def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -153,12 +173,12 @@ class LinearPlan:
         out_shape = (*shape[:-1], w.n)
         config = self.config(m)
         call: LaunchCall
-        if config.path == "gemv":
+        if config.path == "gemv" and not self.w8a8:
             from qlens.kernels.gemv import prepared_gemv  # Triton: once a launch is prepared
 
             call = prepared_gemv(w, m, dtype, not no_bias, config, out_shape, self.x_as_is)
         else:
-            call = functools.partial(_launch_on, w, config, out_shape)
+            call = functools.partial(_launch_on, w, config, out_shape, self.w8a8)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:
             self._calls.clear()
         self._calls[shape, dtype, no_bias] = call
@@ -184,17 +204,22 @@ def _launch_on(
     w: KernelWeight,
     config: LinearConfig,
     out_shape: tuple[int, ...],
+    w8a8: bool,
     x: Tensor,
     bias: Tensor | None,
 ) -> Tensor:
-    return launch_kernel(x.reshape(-1, w.k), w, bias, config).view(out_shape)
+    return launch_kernel(x.reshape(-1, w.k), w, bias, config, w8a8).view(out_shape)
 
 
-def plan_for(payload: QuantPayload, device: torch.device, *, x_as_is: bool = True) -> LinearPlan:
+def plan_for(
+    payload: QuantPayload, device: torch.device, *, x_as_is: bool = True, w8a8: bool = False
+) -> LinearPlan:
     """The plan of ``payload`` on ``device``, kept on the payload (``cached_on_payload``): built
     on the first call and again only when the payload's tensors, format or layout change."""
-    name = f"plan_{device}" if x_as_is else f"plan_{device}_regrouped"
-    return cached_on_payload(payload, name, lambda p: LinearPlan(p, device, x_as_is=x_as_is))
+    name = f"plan_{device}" + ("" if x_as_is else "_regrouped") + ("_w8a8" if w8a8 else "")
+    return cached_on_payload(
+        payload, name, lambda p: LinearPlan(p, device, x_as_is=x_as_is, w8a8=w8a8)
+    )
 
 
 def linear(
@@ -203,6 +228,7 @@ def linear(
     bias: Float[Tensor, " n"] | None = None,
     *,
     x_as_is: bool = True,
+    w8a8: bool = False,
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
 
@@ -210,10 +236,11 @@ def linear(
     formats they read, a Triton dequantize then cuBLAS for formats with only a dequantize kernel
     (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
     CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
-    made on the first call and kept on the payload. ``x_as_is``: see :class:`LinearPlan`
-    (``qlens::linear_regrouped_row`` runs the ``x_as_is=False`` plan).
+    made on the first call and kept on the payload. ``x_as_is`` and ``w8a8`` (FP8 activations
+    for block FP8 weights): see :class:`LinearPlan` (``qlens::linear_regrouped_row`` runs the
+    ``x_as_is=False`` plan).
     """
-    return plan_for(payload, x.device, x_as_is=x_as_is)(x, bias)
+    return plan_for(payload, x.device, x_as_is=x_as_is, w8a8=w8a8)(x, bias)
 
 
 _WARNED: set[tuple[str, str]] = set()

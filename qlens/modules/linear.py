@@ -9,7 +9,8 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from qlens.kernels.ops import compiled_linear
-from qlens.modules.payload_buffers import PayloadModule, traced_payload
+from qlens.kernels.plan import require_w8a8_format
+from qlens.modules.payload_buffers import PayloadModule, traced_attribute, traced_payload
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (
@@ -26,11 +27,20 @@ class QuantLinear(PayloadModule):
     follow device maps). The forward runs ``qlens.kernels.linear``: qlens' Triton kernel on a
     supporting accelerator and the torch reference (dequantize then matmul) elsewhere, with
     the payload and its launch plan built once and kept until the buffers change. Under
-    ``torch.compile`` it is one ``qlens::linear`` op.
+    ``torch.compile`` it is one ``qlens::linear`` op (``qlens::w8a8_linear`` with ``w8a8``).
+
+    ``w8a8=True`` (block FP8 weights only) also quantizes the activations, per token and
+    block of 128 along K, to FP8 (scale ``amax / 448``) and multiplies on FP8 tensor cores:
+    the forward of DeepSeek-style FP8 checkpoints (transformers' ``FP8Linear``). It is a
+    property: set it on a built module to compare both numerics on the same weights
+    (``qlens.set_w8a8`` sets it model-wide).
     """
 
-    def __init__(self, payload: QuantPayload, bias: Tensor | None = None) -> None:
+    def __init__(
+        self, payload: QuantPayload, bias: Tensor | None = None, *, w8a8: bool = False
+    ) -> None:
         super().__init__()
+        self._w8a8 = False
         if len(payload.shape) != 2:
             raise ValueError(
                 f"QuantLinear needs a 2-D [out, in] payload; got shape {list(payload.shape)} "
@@ -46,6 +56,24 @@ class QuantLinear(PayloadModule):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         )
+        self.w8a8 = w8a8
+
+    @property
+    def w8a8(self) -> bool:
+        """Whether the activations are quantized to FP8 too (W8A8), not only the weight."""
+        return self._w8a8
+
+    @w8a8.setter
+    def w8a8(self, value: bool) -> None:
+        if value:
+            require_w8a8_format(self._payload_specs["weight"].format.name)
+        if bool(value) != self._w8a8:
+            self._w8a8 = bool(value)
+            self._plans.pop("weight", None)  # the kept plan ran the other numerics
+        # What a compiled forward reads: in the one tuple dynamo already guards by value, so
+        # the flag adds no guard, and a change recompiles.
+        key, names = getattr(self, traced_attribute("weight"))[:2]
+        setattr(self, traced_attribute("weight"), (key, names, self._w8a8))
 
     @property
     def payload(self) -> QuantPayload:
@@ -61,14 +89,15 @@ class QuantLinear(PayloadModule):
         self, x: Float[Tensor, "*batch in_features"]
     ) -> Float[Tensor, "*batch out_features"]:
         if torch.compiler.is_compiling():  # the op's fake checks the shape, once, when traced
-            tensors, key = traced_payload(self._buffers, self._traced_weight)
-            return compiled_linear(x, tensors, key, self.bias)
+            traced = self._traced_weight
+            tensors, key = traced_payload(self._buffers, traced)
+            return compiled_linear(x, tensors, key, self.bias, traced[2])
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"QuantLinear expects inputs with {self.in_features} features in the last dim; "
                 f"got shape {list(x.shape)}"
             )
-        return self.linear_plan("weight", x)(x, self.bias)
+        return self.linear_plan("weight", x, self._w8a8)(x, self.bias)
 
     def extra_repr(self) -> str:
         payload = self.payload
@@ -76,5 +105,5 @@ class QuantLinear(PayloadModule):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={payload.format.name}, "
             f"block={tuple(payload.format.block)}, "
-            f"{payload.bits_per_weight:.2f} bits/weight"
+            f"{payload.bits_per_weight:.2f} bits/weight" + (", w8a8=True" if self._w8a8 else "")
         )

@@ -21,6 +21,10 @@ __all__ = ["PayloadModule", "PayloadSpec", "buffer_name", "traced_payload"]
 P = TypeVar("P", LinearPlan, ExpertsPlan)
 
 
+def _w8a8_plan_for(payload: QuantPayload, device: torch.device) -> LinearPlan:
+    return plan_for(payload, device, w8a8=True)
+
+
 def buffer_name(prefix: str, tensor_name: str) -> str:
     """Buffer holding one payload tensor: ``{prefix}_data``, ``{prefix}_scales``, ``{prefix}_extra_<k>``."""
     return f"{prefix}_{tensor_name.replace('.', '_')}"
@@ -32,15 +36,16 @@ def traced_attribute(prefix: str) -> str:
 
 
 def traced_payload(
-    buffers: dict[str, Any], traced: tuple[str, tuple[str, ...]]
+    buffers: dict[str, Any], traced: tuple[Any, ...]
 ) -> tuple[list[torch.Tensor], str]:
     """The payload's buffers and spec key, as a forward passes them to the ``qlens::`` ops
     while ``torch.compile`` traces it (``buffers``: the module's ``_buffers``; ``traced``: its
-    ``traced_attribute``). A plain function over one plain attribute, so that dynamo guards the
-    tensors and one tuple of names, not the module's methods and bookkeeping dicts (on a
-    32-layer int4 model, 15% less guard-check time: ``benchmarks/results/compile_guards_cpu.md``).
+    ``traced_attribute``, ``(spec key, buffer names, *what else the module's trace reads)``).
+    A plain function over one plain attribute, so that dynamo guards the tensors and one
+    tuple of constants, not the module's methods and bookkeeping dicts (on a 32-layer int4
+    model, 15% less guard-check time: ``benchmarks/results/compile_guards_cpu.md``).
     """
-    key, names = traced
+    key, names = traced[0], traced[1]
     return [buffers[name] for name in names], key
 
 
@@ -93,11 +98,12 @@ class PayloadModule(nn.Module):
         offer_to_ops(payload, tensors, spec.key)
         return payload
 
-    def linear_plan(self, prefix: str, x: torch.Tensor) -> LinearPlan:
+    def linear_plan(self, prefix: str, x: torch.Tensor, w8a8: bool = False) -> LinearPlan:
         """The launch plan (``qlens.kernels.plan_for``) of the payload under ``prefix`` for
         inputs ``x``, kept while the buffers are the same tensors; raises when ``x`` is on
-        another device than the payload."""
-        return self._kept_plan(prefix, x, plan_for)
+        another device than the payload. ``w8a8``: FP8 activations (the kept plan is dropped
+        when this changes: ``forget_prepared``)."""
+        return self._kept_plan(prefix, x, _w8a8_plan_for if w8a8 else plan_for)
 
     def experts_plan(self, prefix: str, x: torch.Tensor) -> ExpertsPlan:
         """``linear_plan`` for an ``[experts, out, in]`` payload (``experts_plan_for``)."""

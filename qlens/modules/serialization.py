@@ -177,7 +177,10 @@ def _module_entry(module: PayloadModule) -> dict[str, Any]:
     }
     if isinstance(module, QuantExperts):
         entry["gate"] = module.gate.to_dict()
-    elif not isinstance(module, QuantLinear):
+    elif isinstance(module, QuantLinear):
+        if module.w8a8:
+            entry["w8a8"] = True
+    else:
         raise TypeError(f"save_quantized does not know how to rebuild {type(module).__name__}")
     return entry
 
@@ -201,7 +204,9 @@ def _rebuild_module(
 ) -> nn.Module:
     payloads = {p: _payload(path, p, s, tensors) for p, s in entry["payloads"].items()}
     if entry["kind"] == "QuantLinear":
-        return QuantLinear(payloads["weight"], tensors.get(f"{path}.bias"))
+        return QuantLinear(
+            payloads["weight"], tensors.get(f"{path}.bias"), w8a8=entry.get("w8a8", False)
+        )
     if entry["kind"] == "QuantExperts":
         return QuantExperts(
             payloads["gate_up"],

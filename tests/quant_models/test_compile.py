@@ -92,7 +92,7 @@ def test_one_e2m1_row_is_regrouped_in_the_compiled_graph(scheme: str, monkeypatc
 
 # What a traced quantized forward must not read: guards on them cost every compiled call.
 BOOKKEEPING = ("_payload_keys", "_payload_buffers", "_payload_specs", "payload_tensors",
-               "payload_key", "_prepared", "_plans", "in_features")  # fmt: skip
+               "payload_key", "_prepared", "_plans", "in_features", "_w8a8")  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "scheme"), [("llama", "int4"), ("qwen3_moe", "mxfp4")])
@@ -172,6 +172,22 @@ def test_the_linear_op_passes_opcheck(scheme: str, kwargs: dict) -> None:
         torch.library.opcheck(ops.linear_op, (x, tensors, key, bias), test_utils=_checks(tensors))
     x = torch.randn(3, 128, requires_grad=True)
     torch.library.opcheck(ops.linear_op, (x, tensors, key, None), test_utils=_checks(tensors))
+
+
+def test_the_w8a8_op_passes_opcheck_and_passes_gradients_straight_through() -> None:
+    from qlens.quant.dequantize import dequantize
+
+    payload = quantize_weight(torch.randn(40, 256), "fp8-block")
+    tensors, key = list(payload.tensors().values()), PayloadSpec.of(payload).key
+    for x, bias in ((torch.randn(3, 256), None), (torch.randn(2, 4, 256), torch.randn(40))):
+        torch.library.opcheck(
+            ops.w8a8_linear_op, (x, tensors, key, bias), test_utils=_checks(tensors)
+        )
+    x = torch.randn(3, 256, requires_grad=True)
+    torch.library.opcheck(ops.w8a8_linear_op, (x, tensors, key, None), test_utils=_checks(tensors))
+    # The activations' FP8 rounding passes the gradient through unchanged: grad @ W.
+    (grad,) = torch.autograd.grad(ops.w8a8_linear_op(x, tensors, key, None).sum(), x)
+    torch.testing.assert_close(grad, torch.ones(3, 40) @ dequantize(payload, torch.float32))
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])

@@ -46,3 +46,25 @@ def test_static_cache_generation_compiles_and_matches_eager(scheme: str) -> None
     # argmax unless two logits tie within bf16 rounding; the first new token is from one prefill.
     assert static.shape == eager.shape
     assert torch.equal(static[:, : ids.shape[1] + 1], eager[:, : ids.shape[1] + 1])
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_w8a8_matches_eager_and_the_reference(mode: str) -> None:
+    import qlens
+    from qlens.kernels.reference import reference_w8a8_linear
+
+    torch._dynamo.reset()
+    model = quantize(make_model("llama"), "fp8-block").to("cuda", torch.bfloat16)
+    qlens.set_w8a8(model)
+    ids = input_ids().cuda()
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 7, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        # float32 products of the reference's own FP8 codes: the bf16 output rounding remains.
+        expected = reference_w8a8_linear(x.double(), layer.payload)
+        assert _rel(layer(x), expected) < 4e-3
+        eager = model(ids).logits
+        compiled = torch.compile(model, mode=mode, fullgraph=True)
+        for _ in range(3):
+            got = compiled(ids).logits
+    assert _rel(got, eager) < 2e-2

@@ -141,7 +141,8 @@ def test_the_linear_op_runs_the_eager_plan_and_the_regrouped_row_op_its_own(monk
     seen: list[bool] = []
     real = plan.plan_for
 
-    def recording(p, device, *, x_as_is=True):
+    def recording(p, device, *, x_as_is=True, w8a8=False):
+        assert not w8a8
         seen.append(x_as_is)
         return real(p, device, x_as_is=x_as_is)
 

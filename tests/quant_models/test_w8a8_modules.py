@@ -1,0 +1,184 @@
+"""W8A8 (FP8 activations) on block-FP8 QuantLinears: the numerics, the model-wide switch, the
+kernel route, torch.compile and save/reload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import input_ids, make_model
+
+import qlens
+from qlens.kernels import plan as plan_module
+from qlens.kernels.reference import reference_w8a8_linear
+from qlens.modules import QuantLinear
+from qlens.modules.model_quantize import quantize
+from qlens.modules.serialization import load_quantized, save_quantized
+from qlens.quant.dequantize import dequantize
+from qlens.quant.quantize import quantize_weight
+
+
+def _weight(n: int = 96, k: int = 320, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _x(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def deepseek_w8a8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The FP8 checkpoints' reference forward, written from its definition with torch's own
+    e4m3 cast: per token and block of 128 along K, ``s = amax / 448`` (1 for an all-zero
+    block), codes ``x / s`` cast to e4m3; then the float matmul with the dequantized weight."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    k = rows.shape[-1]
+    padded = F.pad(rows, (0, -k % 128)).unflatten(-1, (-1, 128))
+    scale = padded.abs().amax(-1, keepdim=True) / 448.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (padded / scale).to(torch.float8_e4m3fn)
+    rounded = (codes.float() * scale).flatten(-2)[:, :k]
+    return F.linear(rounded, weight, bias).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("scale_dtype", [None, "e8m0"])
+def test_w8a8_linear_is_the_fp8_checkpoints_forward(scale_dtype: str | None) -> None:
+    payload = quantize_weight(_weight(), "fp8-block", scale_dtype=scale_dtype)
+    bias = _x(96, seed=2)
+    layer = QuantLinear(payload, bias, w8a8=True)
+    x = _x(2, 3, 320) * torch.logspace(-3, 2, 320)  # blocks of very different magnitudes
+    x[0, 1, :128] = 0.0  # an all-zero block
+    out = layer(x)
+    assert torch.equal(out, reference_w8a8_linear(x, payload, bias))
+    expected = deepseek_w8a8(x, dequantize(payload, torch.float32), bias)
+    # The same FP8 activations; only the float32 matmul's summation order may differ.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    weight_only = F.linear(x, dequantize(payload, torch.float32), bias)
+    assert not torch.allclose(out, weight_only, rtol=1e-3, atol=0)  # the activations did round
+
+
+def test_w8a8_is_a_switch_on_the_same_weights() -> None:
+    payload = quantize_weight(_weight(), "fp8-block")
+    layer = QuantLinear(payload)
+    x = _x(4, 320)
+    weight_only = layer(x)
+    assert torch.equal(weight_only, F.linear(x, dequantize(payload, torch.float32)))
+    layer.w8a8 = True
+    assert "w8a8=True" in repr(layer)
+    assert torch.equal(layer(x), reference_w8a8_linear(x, payload))
+    layer.w8a8 = False
+    assert torch.equal(layer(x), weight_only)
+    assert "w8a8" not in repr(layer)
+
+
+def test_w8a8_refuses_other_formats_naming_them() -> None:
+    with pytest.raises(ValueError, match=r"runs fp8_block weights only; this weight is int4"):
+        QuantLinear(quantize_weight(_weight(), "int4"), w8a8=True)
+    layer = QuantLinear(quantize_weight(_weight(), "mxfp8"))
+    with pytest.raises(ValueError, match=r"this weight is mxfp8\. Run it weight-only"):
+        layer.w8a8 = True
+    assert not layer.w8a8
+    with pytest.raises(ValueError, match="runs fp8_block weights only"):
+        plan_module.LinearPlan(quantize_weight(_weight(), "nvfp4"), torch.device("cpu"), w8a8=True)
+
+
+def test_set_w8a8_switches_every_block_fp8_linear_of_a_model() -> None:
+    model = quantize(make_model("llama"), "fp8-block")
+    ids = input_ids()
+    with torch.no_grad():
+        weight_only = model(ids).logits
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert qlens.set_w8a8(model) == len(linears) == 14
+        assert all(m.w8a8 for m in linears)
+        w8a8 = model(ids).logits
+        # Every linear runs the W8A8 reference: the same logits as layers that call it directly.
+        originals = {m: m.forward for m in linears}
+        for m in linears:
+            m.forward = lambda x, m=m: reference_w8a8_linear(x, m.payload, m.bias)
+        assert torch.equal(model(ids).logits, w8a8)
+        for m, forward in originals.items():
+            m.forward = forward
+        assert not torch.equal(w8a8, weight_only)
+        assert qlens.set_w8a8(qlens.load(model), enabled=False) == 14  # through a Bridge too
+        assert torch.equal(model(ids).logits, weight_only)
+
+
+def test_set_w8a8_on_a_model_without_block_fp8_is_an_error() -> None:
+    model = quantize(make_model("llama"), "int4")
+    with pytest.raises(ValueError, match=r"no QuantLinear with fp8_block weights.*'fp8-block'"):
+        qlens.set_w8a8(model)
+    with pytest.raises(TypeError, match="expects an nn.Module or a qlens Bridge; got str"):
+        qlens.set_w8a8("model")
+
+
+def test_a_transformers_fp8_linear_runs_w8a8_once_converted() -> None:
+    """transformers' own W8A8 forward needs CUDA kernels from the hub; converted to a
+    QuantLinear, the same e4m3 weight and block scale run W8A8 here."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from qlens.modules.convert import to_quant_linears
+
+    layer = FP8Linear(256, 64, block_size=(128, 128), has_bias=True)
+    with torch.no_grad():
+        layer.weight.copy_((_x(64, 256) * 60).to(torch.float8_e4m3fn))
+        layer.weight_scale_inv.copy_(torch.rand(1, 2) * 1e-3 + 1e-4)
+        layer.bias.copy_(_x(64, seed=5))
+    holder = torch.nn.Sequential(layer)
+    with pytest.raises(ValueError, match=r"to_quant_linears\(model\)"):
+        qlens.set_w8a8(holder)  # an FP8Linear is not a QuantLinear yet
+    assert to_quant_linears(holder) == ["0"]
+    assert qlens.set_w8a8(holder) == 1
+    weight = layer.weight.float() * layer.weight_scale_inv.repeat_interleave(128, dim=1)
+    x = _x(5, 256, seed=6)
+    with torch.no_grad():
+        out = holder(x)
+    expected = deepseek_w8a8(x, weight, layer.bias.float())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_w8a8_survives_save_and_reload(tmp_path) -> None:
+    model = quantize(make_model("llama"), "fp8-block")
+    qlens.set_w8a8(model)
+    model.model.layers[0].self_attn.q_proj.w8a8 = False  # one layer left weight-only
+    save_quantized(model, tmp_path)
+    again = load_quantized(tmp_path)
+    flags = {n: m.w8a8 for n, m in again.named_modules() if isinstance(m, QuantLinear)}
+    assert flags.pop("model.layers.0.self_attn.q_proj") is False
+    assert all(flags.values()) and len(flags) == 13
+    ids = input_ids()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_w8a8_kernel_route_matches_the_reference(monkeypatch) -> None:
+    """The Triton W8A8 path (interpreter on the CPU) through the module: the same FP8
+    activations as the reference (bit-exact, ``test_w8a8.py``), products summed in float32
+    in another order; the split-K decode launch for few rows, the GEMM for many."""
+    monkeypatch.setattr(plan_module, "choose_route", lambda payload, device: ("kernel", None))
+    payload = quantize_weight(_weight(n=64, k=256), "fp8-block")
+    bias = _x(64, seed=3)
+    layer = QuantLinear(payload, bias, w8a8=True)
+    for rows in (1, 80):
+        x = _x(rows, 256, seed=rows)
+        out = layer(x)
+        expected = reference_w8a8_linear(x, payload, bias)
+        torch.testing.assert_close(
+            out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+        )
+    kept = layer._plans["weight"][1]
+    assert isinstance(kept, plan_module.LinearPlan) and kept.w8a8 and kept.route == "kernel"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_w8a8_model_gives_the_eager_logits(backend: str) -> None:
+    torch._dynamo.reset()
+    model = quantize(make_model("llama"), "fp8-block")
+    ids = input_ids()
+    with torch.no_grad():
+        weight_only = model(ids).logits
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        assert torch.equal(compiled(ids).logits, weight_only)
+        qlens.set_w8a8(model)  # the traced flag changed: the compiled model recompiles
+        eager = model(ids).logits
+        assert not torch.equal(eager, weight_only)
+        assert torch.equal(compiled(ids).logits, eager)
+    torch._dynamo.reset()
