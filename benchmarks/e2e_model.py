@@ -53,6 +53,8 @@ from benchmarks._timing import header, median_wall_s, publish, select_schemes  #
 
 PROMPT_TOKENS = 32
 BNB_SCHEMES = ("bnb-nf4", "bnb-int8")
+# qlens rows beyond the quantize schemes: block FP8 with FP8 activations (``qlens.set_w8a8``).
+W8A8_SCHEME = "fp8-block-w8a8"
 DEFAULT_COMPILE = ("bf16", "int4", "bnb-nf4")
 
 
@@ -289,9 +291,25 @@ def measure_model(
     return row
 
 
+def maker(base: nn.Module, scheme: str) -> Callable[[], nn.Module]:
+    """What builds the row ``scheme`` from the bf16 ``base``: bitsandbytes' modules,
+    ``qlens.quantize``, or for ``W8A8_SCHEME`` block FP8 with ``qlens.set_w8a8``."""
+    import qlens
+
+    def make() -> nn.Module:
+        if scheme in BNB_SCHEMES:
+            return bnb_quantized(base, scheme)
+        if scheme == W8A8_SCHEME:
+            model = qlens.quantize(base, "fp8-block")
+            qlens.set_w8a8(model)
+            return model
+        return qlens.quantize(base, scheme)
+
+    return make
+
+
 def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) -> list[Row]:
     """bf16 first, then each qlens scheme and each bitsandbytes peer, one model at a time."""
-    import qlens
 
     vocab = shape.config["vocab_size"]
     gen = torch.Generator().manual_seed(0)
@@ -318,18 +336,11 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
             decode_call(hf_generate(base), work, work.decode_tokens)()
     rows = [measure_model("bf16", lambda: base, work, True, compiles("bf16"))]
     for scheme in schemes:
-        if scheme in BNB_SCHEMES:
-
-            def make(scheme: str = scheme) -> nn.Module:
-                return bnb_quantized(base, scheme)
-
-            rows.append(measure_model(scheme, make, work, False, compiles(scheme), base))
-        else:
-
-            def make(scheme: str = scheme) -> nn.Module:
-                return qlens.quantize(base, scheme)
-
-            rows.append(measure_model(scheme, make, work, True, compiles(scheme), base))
+        rows.append(
+            measure_model(
+                scheme, maker(base, scheme), work, scheme not in BNB_SCHEMES, compiles(scheme), base
+            )
+        )
     return rows
 
 
@@ -445,7 +456,7 @@ def available_schemes(names: str | None) -> list[str]:
     ``--schemes``, whose unknown names are an error."""
     from qlens.modules.model_quantize import SCHEMES
 
-    known = [*SCHEMES, *BNB_SCHEMES]
+    known = [*SCHEMES, W8A8_SCHEME, *BNB_SCHEMES]
     if names is not None:
         unknown = sorted(set(names.split(",")) - set(known) - {"bf16"})
         if unknown:
@@ -453,7 +464,7 @@ def available_schemes(names: str | None) -> list[str]:
     peers = list(BNB_SCHEMES) if bnb_importable() else []
     if names is not None and not peers and set(names.split(",")) & set(BNB_SCHEMES):
         raise SystemExit("--schemes names bitsandbytes peers, but `import bitsandbytes` fails")
-    chosen = select_schemes([(s, {}) for s in [*SCHEMES, *peers]], names)
+    chosen = select_schemes([(s, {}) for s in [*SCHEMES, W8A8_SCHEME, *peers]], names)
     return [scheme for scheme, _ in chosen]
 
 

@@ -133,6 +133,17 @@ def test_paired_time_ratio_is_the_median_of_alternating_pairs(monkeypatch):
     assert ratio == 2.0  # pairs 2.0, 2.0 and 4.0: their median
 
 
+def test_the_w8a8_row_is_block_fp8_with_fp8_activations():
+    from qlens.modules import QuantLinear
+
+    base = models.build_model(models.shapes(True, None)["1b"], torch.device("cpu"))
+    model = e2e_model.maker(base, e2e_model.W8A8_SCHEME)()
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 14 and all(m.w8a8 for m in linears)
+    assert {m.payload.format.name for m in linears} == {"fp8_block"}
+    assert e2e_model.W8A8_SCHEME in e2e_model.available_schemes(None)
+
+
 def test_unknown_scheme_is_an_error_naming_the_choices():
     with pytest.raises(SystemExit, match=r"unknown --schemes \['int3'\]; choose from fp8-block"):
         e2e_model.available_schemes("int4,int3")
