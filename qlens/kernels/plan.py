@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -26,6 +26,7 @@ from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_ker
 from qlens.kernels.reference import reference_linear, reference_w8a8_linear
 from qlens.kernels.runtime import kernel_device_problem
 from qlens.kernels.weights import KernelWeight, cached_on_payload, kernel_weight, unsupported_reason
+from qlens.quant.formats import QuantFormat
 from qlens.quant.payload import QuantPayload
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,28 @@ def choose_route(payload: QuantPayload, device: torch.device) -> tuple[Route, st
     return "reference", problem or unsupported_reason(payload) or "unsupported"
 
 
-def require_w8a8_format(format_name: str) -> None:
-    """Raise unless weights of ``format_name`` can run W8A8 (FP8 activations)."""
-    if format_name not in W8A8_FORMATS:
-        raise ValueError(
-            f"W8A8 (FP8 activations) runs {'/'.join(W8A8_FORMATS)} weights only; this weight "
-            f"is {format_name}. Run it weight-only (w8a8=False)."
+def w8a8_problem(fmt: QuantFormat, shape: Sequence[int]) -> str | None:
+    """Why weights of format ``fmt`` and ``shape`` cannot run W8A8 (FP8 activations, one scale
+    per token and K block of the weight), or None when they can."""
+    if fmt.name not in W8A8_FORMATS:
+        return (
+            f"W8A8 (FP8 activations) runs {'/'.join(W8A8_FORMATS)} weights only; this weight is "
+            f"{fmt.name}. Run it weight-only (w8a8=False)."
         )
+    if tuple(fmt.block) == tuple(shape[-2:]) and tuple(fmt.block) != (128, 128):
+        return (
+            f"W8A8 takes the weight's K block as the activations' block; this {fmt.name} weight "
+            f"{list(shape)} has one scale for the whole matrix (per-tensor), so it has none. "
+            "Run it weight-only (w8a8=False)."
+        )
+    return None
+
+
+def require_w8a8(fmt: QuantFormat, shape: Sequence[int]) -> None:
+    """Raise :func:`w8a8_problem`'s reason, if any."""
+    problem = w8a8_problem(fmt, shape)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 LaunchCall = Callable[[Tensor, Tensor | None], Tensor]
@@ -89,7 +105,7 @@ class LinearPlan:
         w8a8: bool = False,
     ):
         if w8a8:
-            require_w8a8_format(payload.format.name)
+            require_w8a8(payload.format, payload.shape)
         reason = None
         if route is None:
             route, reason = choose_route(payload, device)

@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from qlens.kernels.ops import compiled_linear
-from qlens.kernels.plan import require_w8a8_format
+from qlens.kernels.plan import require_w8a8
 from qlens.modules.payload_buffers import PayloadModule, traced_attribute, traced_payload
 from qlens.quant.payload import QuantPayload
 
@@ -66,7 +66,8 @@ class QuantLinear(PayloadModule):
     @w8a8.setter
     def w8a8(self, value: bool) -> None:
         if value:
-            require_w8a8_format(self._payload_specs["weight"].format.name)
+            spec = self._payload_specs["weight"]
+            require_w8a8(spec.format, spec.shape)
         if bool(value) != self._w8a8:
             self._w8a8 = bool(value)
             self._plans.pop("weight", None)  # the kept plan ran the other numerics

@@ -9,7 +9,8 @@ and ``save_pretrained`` are unaffected) with qlens' forward: the module is read 
 ``qlens.quant.adopt.adopt_module`` and each matmul runs on qlens' Triton kernel or its torch
 reference. Rerouting is always logged (a WARNING summary, one INFO line per module): the
 numerics become those of a weight-only matmul on the exact dequantized weight (static FP8
-activation scales, for instance, are not applied).
+activation scales, for instance, are not applied; ``qlens.set_w8a8`` has block-FP8 linears
+quantize their activations per token and K block, as ``FP8Linear`` does on a GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from qlens.kernels.experts import experts_plan_for
 from qlens.kernels.op_payloads import offer_to_ops
 from qlens.kernels.ops import compiled_linear
-from qlens.kernels.plan import plan_for
+from qlens.kernels.plan import plan_for, require_w8a8
 from qlens.modules.dispatch import (
     check_payload_device,
     fused_experts_forward,
@@ -229,14 +230,36 @@ def _traced_adoption(module: nn.Module) -> Any:
 
 def _linear_forward(self: Any, x: Tensor) -> Tensor:
     bias = getattr(self, "bias", None)
+    w8a8 = self.__dict__.get(_W8A8, False)
     if torch.compiler.is_compiling():
         tensors, key, _ = _traced_adoption(self)
-        return compiled_linear(x, tensors, key, bias)
+        return compiled_linear(x, tensors, key, bias, w8a8)
     payload = _adopted(self)
     if not isinstance(payload, QuantPayload):
         raise TypeError(f"adopting {type(self).__name__} gave {sorted(payload)}, not one payload")
-    plan = _kept_plans(self, payload, payload, x, lambda: plan_for(payload, x.device))
+    plan = _kept_plans(self, payload, payload, x, lambda: plan_for(payload, x.device, w8a8=w8a8))
     return plan(x, bias)
+
+
+def rerouted_linear_payload(module: nn.Module) -> QuantPayload | None:
+    """The payload a rerouted linear module runs (adopted now if no forward did yet), or None
+    for a module that is not a rerouted linear."""
+    if not _is_rerouted(module) or module.__dict__["forward"].__func__ is not _linear_forward:
+        return None
+    payload = _adopted(module)
+    return payload if isinstance(payload, QuantPayload) else None
+
+
+def set_rerouted_w8a8(module: nn.Module, enabled: bool) -> None:
+    """Have a rerouted linear quantize its activations to FP8 too (W8A8), or not; raises when
+    its weight cannot (``qlens.kernels.plan.w8a8_problem``)."""
+    payload = rerouted_linear_payload(module)
+    if payload is None:
+        raise ValueError(f"{type(module).__name__} is not a rerouted linear module")
+    if enabled:
+        require_w8a8(payload.format, payload.shape)
+    module.__dict__[_W8A8] = bool(enabled)
+    module.__dict__.pop(_PLANS, None)  # the kept plan ran the other numerics
 
 
 def _experts_forward(
@@ -269,7 +292,8 @@ def _experts_forward(
 _PLANS = "_qlens_adopted_plans"
 T = TypeVar("T")
 _GATE = "_qlens_gate"
-_KEPT = (_TRACED, _PLANS, _GATE)  # what qlens keeps on the module itself: not the adoption
+_W8A8 = "_qlens_w8a8"  # a rerouted linear's FP8 activations: ``set_rerouted_w8a8``
+_KEPT = (_TRACED, _PLANS, _GATE, _W8A8)  # what qlens keeps on the module itself: not the adoption
 
 
 def _kept_plans(

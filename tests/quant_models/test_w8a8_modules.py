@@ -104,35 +104,69 @@ def test_set_w8a8_switches_every_block_fp8_linear_of_a_model() -> None:
 
 def test_set_w8a8_on_a_model_without_block_fp8_is_an_error() -> None:
     model = quantize(make_model("llama"), "int4")
-    with pytest.raises(ValueError, match=r"no QuantLinear with fp8_block weights.*'fp8-block'"):
+    with pytest.raises(ValueError, match=r"no blocked fp8_block linear .*'fp8-block'"):
         qlens.set_w8a8(model)
     with pytest.raises(TypeError, match="expects an nn.Module or a qlens Bridge; got str"):
         qlens.set_w8a8("model")
 
 
-def test_a_transformers_fp8_linear_runs_w8a8_once_converted() -> None:
-    """transformers' own W8A8 forward needs CUDA kernels from the hub; converted to a
-    QuantLinear, the same e4m3 weight and block scale run W8A8 here."""
+def _fp8_linear_holder() -> tuple[torch.nn.Module, torch.nn.Sequential, torch.Tensor]:
+    """A transformers ``FP8Linear`` [64, 256] (two 128 x 128 scale blocks) with a bias, in a
+    container, and its float weight."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
-
-    from qlens.modules.convert import to_quant_linears
 
     layer = FP8Linear(256, 64, block_size=(128, 128), has_bias=True)
     with torch.no_grad():
         layer.weight.copy_((_x(64, 256) * 60).to(torch.float8_e4m3fn))
         layer.weight_scale_inv.copy_(torch.rand(1, 2) * 1e-3 + 1e-4)
         layer.bias.copy_(_x(64, seed=5))
-    holder = torch.nn.Sequential(layer)
-    with pytest.raises(ValueError, match=r"to_quant_linears\(model\)"):
-        qlens.set_w8a8(holder)  # an FP8Linear is not a QuantLinear yet
-    assert to_quant_linears(holder) == ["0"]
-    assert qlens.set_w8a8(holder) == 1
     weight = layer.weight.float() * layer.weight_scale_inv.repeat_interleave(128, dim=1)
+    return layer, torch.nn.Sequential(layer), weight
+
+
+@pytest.mark.parametrize("how", ["rerouted", "converted"])
+def test_a_transformers_fp8_linear_runs_w8a8(how: str) -> None:
+    """transformers' own W8A8 forward needs CUDA kernels from the hub. Rerouted by a Bridge
+    (or converted to a QuantLinear), the same e4m3 weight and block scales run W8A8 here."""
+    from qlens.modules.convert import to_quant_linears
+    from qlens.modules.reroute import reroute_quantized_modules
+
+    layer, holder, weight = _fp8_linear_holder()
+    with pytest.raises(ValueError, match="no blocked fp8_block linear"):
+        qlens.set_w8a8(holder)  # its own forward: nothing qlens runs
+    if how == "rerouted":
+        assert reroute_quantized_modules(holder) == ["0"]
+    else:
+        assert to_quant_linears(holder) == ["0"]
     x = _x(5, 256, seed=6)
     with torch.no_grad():
+        weight_only = holder(x)
+        assert qlens.set_w8a8(holder) == 1
         out = holder(x)
-    expected = deepseek_w8a8(x, weight, layer.bias.float())
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        expected = deepseek_w8a8(x, weight, layer.bias.float())
+        torch.testing.assert_close(
+            out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+        )
+        compiled = torch.compile(holder, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x), out)
+        assert qlens.set_w8a8(holder, enabled=False) == 1
+        assert torch.equal(holder(x), weight_only)
+    torch._dynamo.reset()
+
+
+def test_per_tensor_fp8_has_no_activation_block() -> None:
+    from qlens.quant.adopt.fp8 import fp8_payload
+
+    weight = (_x(64, 256) * 60).to(torch.float8_e4m3fn)
+    payload = fp8_payload(weight, torch.tensor(1e-3), None)  # one scale for the matrix
+    assert payload.format.block == (64, 256)
+    with pytest.raises(ValueError, match=r"one scale for the whole matrix \(per-tensor\)"):
+        QuantLinear(payload, w8a8=True)
+    holder = torch.nn.Sequential(
+        QuantLinear(payload), QuantLinear(quantize_weight(_weight(n=64, k=64), "fp8-block"))
+    )
+    assert qlens.set_w8a8(holder) == 1  # the blocked one only
+    assert not holder[0].w8a8 and holder[1].w8a8
 
 
 def test_w8a8_survives_save_and_reload(tmp_path) -> None:
