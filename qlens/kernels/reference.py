@@ -55,6 +55,15 @@ def reference_act_quant(
     return codes.contiguous(), scales
 
 
+def fp8_rounded_activations(x: Float[Tensor, "*batch k"], group: int) -> Float[Tensor, "*batch k"]:
+    """``x`` as W8A8 reads it: ``reference_act_quant`` per token and ``group`` along K, decoded
+    again (``code * scale``) in float32 (float64 for float64 ``x``)."""
+    k = x.shape[-1]
+    codes, scales = reference_act_quant(x.reshape(-1, k), group)
+    decoded = codes.float() * expand_groups(scales, group, k)
+    return decoded.to(torch.float64 if x.dtype == torch.float64 else torch.float32).reshape(x.shape)
+
+
 def reference_w8a8_linear(
     x: Float[Tensor, "*batch k"],
     payload: QuantPayload,
@@ -62,11 +71,5 @@ def reference_w8a8_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``reference_linear`` on activations that went through ``reference_act_quant`` first,
     with the weight's K block as the activation group."""
-    group = payload.format.block[1]
-    codes, scales = reference_act_quant(x.reshape(-1, x.shape[-1]), group)
-    k = x.shape[-1]
-    x_deq = codes.float() * expand_groups(scales, group, k)
-    out = reference_linear(
-        x_deq.to(torch.float64 if x.dtype == torch.float64 else torch.float32), payload, bias
-    )
-    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+    rounded = fp8_rounded_activations(x, payload.format.block[1])
+    return reference_linear(rounded, payload, bias).to(x.dtype)

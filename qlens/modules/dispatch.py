@@ -12,6 +12,7 @@ from torch import Tensor
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear
+from qlens.kernels.reference import fp8_rounded_activations
 from qlens.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
 
@@ -25,10 +26,14 @@ def fused_experts_forward(
     first_bias: Float[Tensor, "experts inner"] | None,
     down_bias: Float[Tensor, "experts hidden"] | None,
     activate: Callable[[Tensor], Tensor],
+    w8a8_groups: tuple[int, int] | None = None,
 ) -> Float[Tensor, "tokens hidden"]:
     """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads (their kept
     ``ExpertsPlan``) for every routed (token, expert) pair, weighted and summed as
     ``route_to_experts`` does (ids outside ``[0, experts of first)`` skipped).
+
+    ``w8a8_groups`` (the K blocks of ``first`` and ``down``): each projection's input is
+    rounded to FP8 per token and block first (``fp8_rounded_activations``), as W8A8 reads it.
 
     Where the plans allow (``ExpertsPlan.one_launch``), every row runs at once, one launch a
     projection (packed 4-bit experts: the word-wise GEMV for few rows, the grouped GEMM for
@@ -37,12 +42,15 @@ def fused_experts_forward(
     two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
 
+    first_in, down_in = _inputs(w8a8_groups)
+
     def expert_fn(expert: int, x: Tensor) -> Tensor:
-        h = linear(x, first.views[expert], _row(first_bias, expert))
-        return linear(activate(h), down.views[expert], _row(down_bias, expert))
+        h = linear(first_in(x), first.views[expert], _row(first_bias, expert))
+        return linear(down_in(activate(h)), down.views[expert], _row(down_bias, expert))
 
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-        return down.rows(activate(first.rows(x, ids, first_bias)), ids, down_bias)
+        h = activate(first.rows(first_in(x), ids, first_bias))
+        return down.rows(down_in(h), ids, down_bias)
 
     rows = top_k_index.numel()
     one_launch = first.one_launch(rows) and down.one_launch(rows)
@@ -61,6 +69,7 @@ def traced_experts_forward(
     first_bias: Float[Tensor, "experts inner"] | None,
     down_bias: Float[Tensor, "experts hidden"] | None,
     activate: Callable[[Tensor], Tensor],
+    w8a8_groups: tuple[int, int] | None = None,
 ) -> Float[Tensor, "tokens hidden"]:
     """``fused_experts_forward`` as ``torch.compile`` traces it: every (token, route) row at once
     through the ``qlens::experts_linear`` op, no data-dependent Python. ``first`` and ``down``
@@ -69,7 +78,7 @@ def traced_experts_forward(
     # A partial, not a closure: no function is defined inside the traced region.
     rows_fn = functools.partial(
         _traced_rows, first_tensors, first_key, first_bias, down_tensors, down_key, down_bias,
-        activate,
+        activate, *_inputs(w8a8_groups),
     )  # fmt: skip
     return route_to_experts(
         hidden_states, top_k_index, top_k_weights, num_experts, _unused_expert_fn, rows_fn
@@ -84,11 +93,32 @@ def _traced_rows(
     down_key: str,
     down_bias: Tensor | None,
     activate: Callable[[Tensor], Tensor],
+    first_in: Callable[[Tensor], Tensor],
+    down_in: Callable[[Tensor], Tensor],
     x: Tensor,
     ids: Tensor,
 ) -> Tensor:
-    h = compiled_experts_linear(x, ids, first_tensors, first_key, first_bias)
-    return compiled_experts_linear(activate(h), ids, down_tensors, down_key, down_bias)
+    h = compiled_experts_linear(first_in(x), ids, first_tensors, first_key, first_bias)
+    return compiled_experts_linear(down_in(activate(h)), ids, down_tensors, down_key, down_bias)
+
+
+def _as_is(x: Tensor) -> Tensor:
+    return x
+
+
+def _fp8_rounded(group: int, x: Tensor) -> Tensor:
+    return fp8_rounded_activations(x, group).to(x.dtype)
+
+
+def _inputs(
+    w8a8_groups: tuple[int, int] | None,
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """What each projection does to its input first: nothing, or with ``w8a8_groups`` (the
+    projections' K blocks) the FP8 rounding of W8A8."""
+    if w8a8_groups is None:
+        return _as_is, _as_is
+    first, down = w8a8_groups
+    return functools.partial(_fp8_rounded, first), functools.partial(_fp8_rounded, down)
 
 
 def _unused_expert_fn(expert: int, x: Tensor) -> Tensor:

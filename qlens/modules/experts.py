@@ -8,6 +8,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
+from qlens.kernels.plan import require_w8a8
 from qlens.modules.dispatch import fused_experts_forward, traced_experts_forward
 from qlens.modules.expert_gate import ExpertGate
 from qlens.modules.payload_buffers import PayloadModule, traced_payload
@@ -24,6 +25,10 @@ class QuantExperts(PayloadModule):
     orientation on every model (GPT-OSS' ``[E, in, out]`` weights are transposed when quantized);
     ``gate`` says how gate and up rows are laid out and combined. Each expert's matmul dispatches
     like :class:`~qlens.modules.QuantLinear`.
+
+    ``w8a8=True`` (block FP8 payloads) rounds each projection's input to FP8 per token and K
+    block first, as W8A8 experts (transformers' ``FP8Experts`` on a GPU) read it; the products
+    then run on the weight-only kernels. A property, like ``QuantLinear.w8a8``.
     """
 
     def __init__(
@@ -33,8 +38,11 @@ class QuantExperts(PayloadModule):
         gate: ExpertGate,
         gate_up_bias: Float[Tensor, "experts two_i"] | None = None,
         down_bias: Float[Tensor, "experts hidden"] | None = None,
+        *,
+        w8a8: bool = False,
     ) -> None:
         super().__init__()
+        self._w8a8_groups: tuple[int, int] | None = None
         self.num_experts = num_experts_of(gate_up)
         _, two_i, self.hidden_dim = (int(s) for s in gate_up.shape)
         if two_i % 2:
@@ -51,6 +59,23 @@ class QuantExperts(PayloadModule):
         self.register_payload("down", down)
         self.gate_up_bias = _frozen(gate_up_bias)
         self.down_bias = _frozen(down_bias)
+        self.w8a8 = w8a8
+
+    @property
+    def w8a8(self) -> bool:
+        """Whether each projection's input is rounded to FP8 first (W8A8)."""
+        return self._w8a8_groups is not None
+
+    @w8a8.setter
+    def w8a8(self, value: bool) -> None:
+        specs = self._payload_specs
+        if value:
+            for prefix in ("gate_up", "down"):
+                require_w8a8(specs[prefix].format, specs[prefix].shape)
+        # The activations' blocks: each projection's K block.
+        groups = (specs["gate_up"].format.block[1], specs["down"].format.block[1])
+        self._w8a8_groups = groups if value else None
+        self.trace_with("gate_up", self._w8a8_groups)
 
     @property
     def payload(self) -> dict[str, QuantPayload]:
@@ -97,12 +122,12 @@ class QuantExperts(PayloadModule):
                 hidden_states, index, weights,
                 (*traced_payload(self._buffers, self._traced_gate_up), self.num_experts),
                 traced_payload(self._buffers, self._traced_down),
-                self.gate_up_bias, self.down_bias, self.gate.apply,
+                self.gate_up_bias, self.down_bias, self.gate.apply, self._traced_gate_up[2],
             )  # fmt: skip
         return fused_experts_forward(
             hidden_states, index, weights, self.experts_plan("gate_up", hidden_states),
             self.experts_plan("down", hidden_states), self.gate_up_bias, self.down_bias,
-            self.gate.apply,
+            self.gate.apply, self._w8a8_groups,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -112,6 +137,7 @@ class QuantExperts(PayloadModule):
             f"intermediate_dim={self.intermediate_dim}, format={gate_up.format.name}, "
             f"gate={self.gate.layout}/{self.gate.activation}, bias={self.gate_up_bias is not None}, "
             f"{(gate_up.nbytes + down.nbytes) * 8 / (gate_up.numel + down.numel):.2f} bits/weight"
+            + (", w8a8=True" if self.w8a8 else "")
         )
 
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import require_w8a8
-from qlens.modules.payload_buffers import PayloadModule, traced_attribute, traced_payload
+from qlens.modules.payload_buffers import PayloadModule, traced_payload
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (
@@ -71,10 +71,7 @@ class QuantLinear(PayloadModule):
         if bool(value) != self._w8a8:
             self._w8a8 = bool(value)
             self._plans.pop("weight", None)  # the kept plan ran the other numerics
-        # What a compiled forward reads: in the one tuple dynamo already guards by value, so
-        # the flag adds no guard, and a change recompiles.
-        key, names = getattr(self, traced_attribute("weight"))[:2]
-        setattr(self, traced_attribute("weight"), (key, names, self._w8a8))
+        self.trace_with("weight", self._w8a8)
 
     @property
     def payload(self) -> QuantPayload:

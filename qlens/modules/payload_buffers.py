@@ -80,6 +80,13 @@ class PayloadModule(nn.Module):
             self.register_buffer(buffer_name(prefix, name), tensor)
         self.prepare_payloads()
 
+    def trace_with(self, prefix: str, extra: Any) -> None:
+        """Put ``extra`` in what a compiled forward reads for the payload ``prefix``
+        (``traced_attribute``, its third item): in the one tuple dynamo already guards by
+        value, so it adds no guard, and a change of it recompiles."""
+        key, names = getattr(self, traced_attribute(prefix))[:2]
+        setattr(self, traced_attribute(prefix), (key, names, extra))
+
     def payload_tensors(self, prefix: str) -> list[torch.Tensor]:
         """The buffers of the payload under ``prefix``, in ``PayloadSpec.tensor_names`` order."""
         return [self._payload_buffer(name) for name in self._payload_buffers[prefix]]

@@ -241,25 +241,33 @@ def _linear_forward(self: Any, x: Tensor) -> Tensor:
     return plan(x, bias)
 
 
-def rerouted_linear_payload(module: nn.Module) -> QuantPayload | None:
-    """The payload a rerouted linear module runs (adopted now if no forward did yet), or None
-    for a module that is not a rerouted linear."""
-    if not _is_rerouted(module) or module.__dict__["forward"].__func__ is not _linear_forward:
+def rerouted_payloads(module: nn.Module) -> QuantPayload | dict[str, QuantPayload] | None:
+    """What a rerouted module runs (adopted now if no forward did yet): a linear's payload, or
+    the experts' payloads by projection; None for a module that is not rerouted."""
+    if not _is_rerouted(module) or type(module).__name__ == "Mxfp4GptOssMLP":
         return None
-    payload = _adopted(module)
-    return payload if isinstance(payload, QuantPayload) else None
+    return _adopted(module)
 
 
 def set_rerouted_w8a8(module: nn.Module, enabled: bool) -> None:
-    """Have a rerouted linear quantize its activations to FP8 too (W8A8), or not; raises when
-    its weight cannot (``qlens.kernels.plan.w8a8_problem``)."""
-    payload = rerouted_linear_payload(module)
-    if payload is None:
-        raise ValueError(f"{type(module).__name__} is not a rerouted linear module")
+    """Have a rerouted linear or experts module quantize its activations to FP8 too (W8A8),
+    or not; raises when one of its weights cannot (``qlens.kernels.plan.w8a8_problem``)."""
+    payloads = rerouted_payloads(module)
+    if payloads is None:
+        raise ValueError(f"{type(module).__name__} is not a rerouted module")
+    if isinstance(payloads, QuantPayload):
+        if enabled:
+            require_w8a8(payloads.format, payloads.shape)
+        module.__dict__[_W8A8] = bool(enabled)
+        module.__dict__.pop(_PLANS, None)  # the kept plan ran the other numerics
+        return
+    first = payloads["gate_up_proj" if "gate_up_proj" in payloads else "up_proj"]
+    down = payloads["down_proj"]
     if enabled:
-        require_w8a8(payload.format, payload.shape)
-    module.__dict__[_W8A8] = bool(enabled)
-    module.__dict__.pop(_PLANS, None)  # the kept plan ran the other numerics
+        for payload in (first, down):
+            require_w8a8(payload.format, payload.shape)
+    groups = (first.format.block[1], down.format.block[1])
+    module.__dict__[_W8A8] = groups if enabled else None
 
 
 def _experts_forward(
@@ -283,7 +291,7 @@ def _experts_forward(
     activate = _gate_fn(self) if has_gate else self.act_fn
     return fused_experts_forward(
         hidden_states, top_k_index, top_k_weights, first_plan, down_plan, first_bias, down_bias,
-        activate,
+        activate, self.__dict__.get(_W8A8),
     )  # fmt: skip
 
 
@@ -292,7 +300,8 @@ def _experts_forward(
 _PLANS = "_qlens_adopted_plans"
 T = TypeVar("T")
 _GATE = "_qlens_gate"
-_W8A8 = "_qlens_w8a8"  # a rerouted linear's FP8 activations: ``set_rerouted_w8a8``
+# FP8 activations (``set_rerouted_w8a8``): a linear's flag, or the experts' activation blocks.
+_W8A8 = "_qlens_w8a8"
 _KEPT = (_TRACED, _PLANS, _GATE, _W8A8)  # what qlens keeps on the module itself: not the adoption
 
 
@@ -322,6 +331,7 @@ def _traced_experts(
         getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None),
         getattr(self, "down_proj_bias", None),
         _gate_fn(self) if has_gate else self.act_fn,
+        self.__dict__.get(_W8A8),
     )  # fmt: skip
 
 

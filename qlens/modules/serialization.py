@@ -175,13 +175,12 @@ def _module_entry(module: PayloadModule) -> dict[str, Any]:
         "kind": type(module).__name__,
         "payloads": {p: s.to_json() for p, s in module.payload_specs().items()},
     }
+    if not isinstance(module, QuantExperts | QuantLinear):
+        raise TypeError(f"save_quantized does not know how to rebuild {type(module).__name__}")
     if isinstance(module, QuantExperts):
         entry["gate"] = module.gate.to_dict()
-    elif isinstance(module, QuantLinear):
-        if module.w8a8:
-            entry["w8a8"] = True
-    else:
-        raise TypeError(f"save_quantized does not know how to rebuild {type(module).__name__}")
+    if module.w8a8:
+        entry["w8a8"] = True
     return entry
 
 
@@ -214,6 +213,7 @@ def _rebuild_module(
             ExpertGate(**entry["gate"]),
             tensors.get(f"{path}.gate_up_bias"),
             tensors.get(f"{path}.down_bias"),
+            w8a8=entry.get("w8a8", False),
         )
     raise ValueError(f"unknown quantized module kind {entry['kind']!r} for {path}")
 

@@ -49,12 +49,13 @@ def test_static_cache_generation_compiles_and_matches_eager(scheme: str) -> None
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_w8a8_matches_eager_and_the_reference(mode: str) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_compiled_w8a8_matches_eager_and_the_reference(family: str, mode: str) -> None:
     import qlens
     from qlens.kernels.reference import reference_w8a8_linear
 
     torch._dynamo.reset()
-    model = quantize(make_model("llama"), "fp8-block").to("cuda", torch.bfloat16)
+    model = quantize(make_model(family), "fp8-block").to("cuda", torch.bfloat16)
     qlens.set_w8a8(model)
     ids = input_ids().cuda()
     layer = model.model.layers[0].self_attn.q_proj

@@ -216,3 +216,103 @@ def test_compiled_w8a8_model_gives_the_eager_logits(backend: str) -> None:
         assert not torch.equal(eager, weight_only)
         assert torch.equal(compiled(ids).logits, eager)
     torch._dynamo.reset()
+
+
+def test_w8a8_experts_round_each_projections_input() -> None:
+    from qlens.modules import QuantExperts
+    from qlens.modules.expert_gate import ExpertGate
+
+    gen = torch.Generator().manual_seed(7)
+    gate_up = quantize_weight(torch.randn(4, 2 * 128, 256, generator=gen) * 0.05, "fp8-block")
+    down = quantize_weight(torch.randn(4, 256, 128, generator=gen) * 0.05, "fp8-block")
+    experts = QuantExperts(gate_up, down, ExpertGate("stacked", "silu"), w8a8=True)
+    assert "w8a8=True" in repr(experts)
+    x = _x(6, 256, seed=8) * torch.logspace(-2, 1, 256)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2, generator=gen)
+    out = experts(x, index, weights)
+    w_gate_up, w_down = dequantize(gate_up, torch.float32), dequantize(down, torch.float32)
+    expected = torch.zeros(6, 256)
+    for t in range(6):
+        for j in range(2):
+            e = int(index[t, j])
+            h = experts.gate.apply(deepseek_w8a8(x[t : t + 1], w_gate_up[e], None))
+            expected[t] += weights[t, j] * deepseek_w8a8(h, w_down[e], None)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    experts.w8a8 = False
+    weight_only = experts(x, index, weights)
+    assert not torch.allclose(weight_only, out, rtol=1e-3, atol=0)
+    with pytest.raises(ValueError, match="runs fp8_block weights only; this weight is int4"):
+        QuantExperts(
+            quantize_weight(torch.randn(4, 256, 256), "int4"),
+            quantize_weight(torch.randn(4, 256, 128), "int4"),
+            ExpertGate("stacked", "silu"),
+            w8a8=True,
+        )
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_set_w8a8_reaches_fp8_experts_compiled_and_saved(backend: str, tmp_path) -> None:
+    from qlens.modules import QuantExperts
+
+    torch._dynamo.reset()
+    model = quantize(make_model("qwen3_moe"), "fp8-block")
+    ids = input_ids()
+    with torch.no_grad():
+        weight_only = model(ids).logits
+        modules = [m for m in model.modules() if isinstance(m, QuantLinear | QuantExperts)]
+        assert qlens.set_w8a8(model) == len(modules)
+        assert any(isinstance(m, QuantExperts) and m.w8a8 for m in modules)
+        eager = model(ids).logits
+        assert not torch.equal(eager, weight_only)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        # The same torch reference on the same inputs; a token's two routes sum as a + b.
+        assert torch.equal(compiled(ids).logits, eager)
+    save_quantized(model, tmp_path)
+    again = load_quantized(tmp_path)
+    assert all(m.w8a8 for m in again.modules() if isinstance(m, QuantLinear | QuantExperts))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, eager)
+    torch._dynamo.reset()
+
+
+def test_set_w8a8_reaches_transformers_fp8_experts_a_bridge_rerouted() -> None:
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from qlens.modules import QuantExperts
+    from qlens.modules.expert_gate import ExpertGate
+    from qlens.quant.adopt import adopt_module
+
+    model = make_model("mixtral")
+    hf_experts = FP8Experts(model.config, block_size=(128, 128))
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = getattr(hf_experts, name), getattr(hf_experts, f"{name}_scale_inv")
+            weight.copy_((torch.randn(weight.shape, generator=gen) * 60).to(weight.dtype))
+            scale.copy_(torch.rand(scale.shape, generator=gen) * 1e-3 + 1e-4)
+    model.model.layers[0].mlp.experts = hf_experts
+    bridge = qlens.Bridge(model)  # its own forward needs CUDA kernels: rerouted on this CPU
+    assert "model.layers.0.mlp.experts" in bridge.rerouted
+    ids = input_ids()
+    with torch.no_grad():
+        weight_only = bridge(ids)
+        assert qlens.set_w8a8(bridge) == 1  # the experts: the other linears are float
+        w8a8 = bridge(ids)
+        assert not torch.equal(w8a8, weight_only)
+        # The same as qlens' own experts module over the same payloads, W8A8.
+        payloads = adopt_module(hf_experts)
+        own = QuantExperts(
+            payloads["gate_up_proj"],
+            payloads["down_proj"],
+            ExpertGate("stacked", "silu"),
+            w8a8=True,
+        )
+        model.model.layers[0].mlp.experts = own
+        assert torch.equal(bridge(ids), w8a8)
+        model.model.layers[0].mlp.experts = hf_experts
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(ids).logits, w8a8)
+        assert qlens.set_w8a8(bridge, enabled=False) == 1
+        assert torch.equal(bridge(ids), weight_only)
+    torch._dynamo.reset()
