@@ -38,6 +38,18 @@ for scheme in SCHEMES:  # every scheme, on the same attention-only quantization
     r = quantization_drift(bridge, copy, "The capital of France is Paris. The capital of Italy is")
     print(f"drift {scheme}: final cosine {r.resid_cosine[-1]:.4f}, KL {r.logit_kl:.4f} nats")
 
+# Block FP8 as FP8 checkpoints run it: the activations rounded to FP8 too (W8A8).
+fp8 = quantize(bridge, "fp8-block", skip=[*DEFAULT_SKIP, "*.mlp.*"])
+weight_only = quantization_drift(
+    bridge, fp8, "The capital of France is Paris. The capital of Italy is"
+)
+qlens.set_w8a8(fp8)
+w8a8 = quantization_drift(bridge, fp8, "The capital of France is Paris. The capital of Italy is")
+print(
+    f"fp8-block logit KL: {weight_only.logit_kl:.4f} nats weight-only, "
+    f"{w8a8.logit_kl:.4f} with FP8 activations"
+)
+
 try:
     W_Q(quantized, 0)
 except NotImplementedError as error:
