@@ -292,6 +292,7 @@ def _rerouted_fp8_holder() -> torch.nn.Sequential:
     with torch.no_grad():
         layer.weight.copy_((torch.randn(64, 128) * 60).to(torch.float8_e4m3fn))
         layer.weight_scale_inv.copy_(torch.rand(1, 1) * 1e-3 + 1e-4)
+        layer.bias.copy_(torch.randn(64))  # transformers leaves it uninitialised
     holder = torch.nn.Sequential(layer)
     reroute_quantized_modules(holder, force=True)
     return holder

@@ -77,6 +77,7 @@ def test_library_fp8_module_is_one_weight_with_its_scales():
     with torch.no_grad():
         fp8.weight.copy_((torch.randn(96, 64) * 50).to(torch.float8_e4m3fn))
         fp8.weight_scale_inv.copy_(torch.rand(fp8.weight_scale_inv.shape) + 0.1)
+        fp8.bias.copy_(torch.randn(96))  # transformers leaves it uninitialised
     model.model.layers[1].mlp.up_proj = fp8
     audit = audit_weights(model)
     rows = {row.name: row for row in audit.rows}

@@ -78,6 +78,8 @@ def test_fp8_experts_small_intermediate_has_one_scale_row_per_half():
     module = hf_fp8.FP8Experts(config, block_size=(32, 32))
     assert module.gate_up_proj_scale_inv.shape == (2, 2, 2)  # transformers floors rows at 2
     _fill(module.gate_up_proj, module.gate_up_proj_scale_inv, gen)
+    # transformers allocates the tensors uninitialised; adoption checks down_proj's scales too
+    _fill(module.down_proj, module.down_proj_scale_inv, gen)
     payload = adopt_module(module)["gate_up_proj"]
     scale = module.gate_up_proj_scale_inv.repeat_interleave(16, 1).repeat_interleave(32, 2)
     assert torch.equal(_dequantize(payload), module.gate_up_proj.float() * scale)
