@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from jaxtyping import Float, Integer
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
-from qlens.kernels.plan import linear
+from qlens.kernels.plan import linear, require_w8a8
 from qlens.kernels.reference import fp8_rounded_activations
 from qlens.modules.routing import route_to_experts
 from qlens.quant.payload import QuantPayload
@@ -108,6 +109,14 @@ def _as_is(x: Tensor) -> Tensor:
 
 def _fp8_rounded(group: int, x: Tensor) -> Tensor:
     return fp8_rounded_activations(x, group).to(x.dtype)
+
+
+def experts_w8a8_groups(first: Any, down: Any) -> tuple[int, int]:
+    """The activation blocks of W8A8 experts, each projection's K block (``first``, ``down``:
+    payloads or their specs); raises when one of the weights cannot run W8A8."""
+    for weight in (first, down):
+        require_w8a8(weight.format, weight.shape)
+    return first.format.block[1], down.format.block[1]
 
 
 def _inputs(

@@ -8,8 +8,11 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.kernels.plan import require_w8a8
-from qlens.modules.dispatch import fused_experts_forward, traced_experts_forward
+from qlens.modules.dispatch import (
+    experts_w8a8_groups,
+    fused_experts_forward,
+    traced_experts_forward,
+)
 from qlens.modules.expert_gate import ExpertGate
 from qlens.modules.payload_buffers import PayloadModule, traced_payload
 from qlens.quant.expert_payloads import num_experts_of
@@ -69,12 +72,7 @@ class QuantExperts(PayloadModule):
     @w8a8.setter
     def w8a8(self, value: bool) -> None:
         specs = self._payload_specs
-        if value:
-            for prefix in ("gate_up", "down"):
-                require_w8a8(specs[prefix].format, specs[prefix].shape)
-        # The activations' blocks: each projection's K block.
-        groups = (specs["gate_up"].format.block[1], specs["down"].format.block[1])
-        self._w8a8_groups = groups if value else None
+        self._w8a8_groups = experts_w8a8_groups(specs["gate_up"], specs["down"]) if value else None
         self.trace_with("gate_up", self._w8a8_groups)
 
     @property

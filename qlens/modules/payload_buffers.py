@@ -108,8 +108,8 @@ class PayloadModule(nn.Module):
     def linear_plan(self, prefix: str, x: torch.Tensor, w8a8: bool = False) -> LinearPlan:
         """The launch plan (``qlens.kernels.plan_for``) of the payload under ``prefix`` for
         inputs ``x``, kept while the buffers are the same tensors; raises when ``x`` is on
-        another device than the payload. ``w8a8``: FP8 activations (the kept plan is dropped
-        when this changes: ``forget_prepared``)."""
+        another device than the payload. ``w8a8``: FP8 activations (a module switching it drops
+        its kept plan)."""
         return self._kept_plan(prefix, x, _w8a8_plan_for if w8a8 else plan_for)
 
     def experts_plan(self, prefix: str, x: torch.Tensor) -> ExpertsPlan:

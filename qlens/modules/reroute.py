@@ -31,6 +31,7 @@ from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import plan_for, require_w8a8
 from qlens.modules.dispatch import (
     check_payload_device,
+    experts_w8a8_groups,
     fused_experts_forward,
     traced_experts_forward,
 )
@@ -244,8 +245,9 @@ def _linear_forward(self: Any, x: Tensor) -> Tensor:
 def rerouted_payloads(module: nn.Module) -> QuantPayload | dict[str, QuantPayload] | None:
     """What a rerouted module runs (adopted now if no forward did yet): a linear's payload, or
     the experts' payloads by projection; None for a module that is not rerouted."""
-    if not _is_rerouted(module) or type(module).__name__ == "Mxfp4GptOssMLP":
-        return None
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "__func__", None) not in (_linear_forward, _experts_forward):
+        return None  # not rerouted, or a block whose experts are (GPT-OSS' MLP)
     return _adopted(module)
 
 
@@ -262,12 +264,8 @@ def set_rerouted_w8a8(module: nn.Module, enabled: bool) -> None:
         module.__dict__.pop(_PLANS, None)  # the kept plan ran the other numerics
         return
     first = payloads["gate_up_proj" if "gate_up_proj" in payloads else "up_proj"]
-    down = payloads["down_proj"]
-    if enabled:
-        for payload in (first, down):
-            require_w8a8(payload.format, payload.shape)
-    groups = (first.format.block[1], down.format.block[1])
-    module.__dict__[_W8A8] = groups if enabled else None
+    groups = experts_w8a8_groups(first, payloads["down_proj"]) if enabled else None
+    module.__dict__[_W8A8] = groups
 
 
 def _experts_forward(
