@@ -214,9 +214,8 @@ def header(title: str, timing: str = ROTATED_TIMING, libraries: Sequence[str] = 
         f"Python {platform.python_version()}{extra}",
         f"- command: `python {' '.join(sys.argv)}`",
         f"- timing: {timing}",
-        "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n"
 
 
 def clone_payload(payload: QuantPayload) -> QuantPayload:

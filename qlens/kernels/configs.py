@@ -68,6 +68,7 @@ PACKED_GEMV_MAX_M = launch_tables.PACKED_GEMV_MAX_M.value
 INT4_PACKED_GEMV_MAX_M = launch_tables.INT4_PACKED_GEMV_MAX_M.value
 INT4_LONG_TILE_WEIGHTS = launch_tables.INT4_LONG_TILE_WEIGHTS.value
 MID_ROWS_GEMM_SPLIT = launch_tables.MID_ROWS_GEMM_SPLIT.value
+ONE_ROW_GEMV_MAX_SPLIT = launch_tables.ONE_ROW_GEMV_MAX_SPLIT.value
 
 
 def _next_pow2(x: int) -> int:
@@ -86,36 +87,24 @@ def _cuda_sm_count(index: int) -> int:
 
 
 def split_k_for(m: int, n: int, k: int, cfg: LinearConfig, sms: int) -> int:
-    """Split K over a GPU of ``sms`` SMs until the grid has about two programs per SM (one for
-    a single row's GEMV, four for several rows'), keeping >= 4 K-steps per split (>= 1 on the
-    GEMV path, whose K steps are long and whose programs each stream one strip).
-
-    GEMV programs are counted as the packed 4-bit GEMV launches them (``BLOCK_M`` rows in one
-    program); the byte-wise GEMV launches one per row, so its split errs towards more.
-    A single row's GEMV splits only below one program per SM, and no GEMV splits more than
-    4 ways: on the H200 every split of the 8B decode layers was slower for one row (fp8-block
-    on 4096 x 4096: 7.1 us unsplit, 8.9 us at the two splits the two-per-SM rule gave), and at
-    16 rows 4 splits beat the rule's 8 by 4-17% on the 4096-wide layers
-    (``decode_splits_h200.md``). Several rows on the packed GEMV's tensor cores aim at four
-    programs per SM: on the 28672-row layers the 448 unsplit programs of two per SM ran
-    1.03-1.19x slower than 2 splits at 4 and 16 rows (``dot_gemv_tiles_h200.md``). Its 32-row
-    programs (17-64 rows) double the split only while the grid stays within two programs per SM:
-    the 4096-row layers' 64 programs at 24-32 rows ran 1.3-2.3x faster at 4 splits, the
-    14336-row layers' 224 ran 1.09-1.12x slower at 2, and the 28672-row layers' 448 ran
-    0.99-1.11x as fast at 2, left unsplit (``mid_rows_h200.md``, 2026-12-03 15:38).
+    """K splits for a grid on a GPU of ``sms`` SMs: doubled while the grid has fewer than about
+    two programs per SM (tensor-core split-K), four (a GEMV of several rows) or one more than the
+    SMs (a GEMV of 32-row programs), keeping >= 4 K-steps per split (>= 1 on the GEMV path) and
+    at most ``GEMV_MAX_SPLIT`` splits of a GEMV. A one-row GEMV splits at most
+    ``ONE_ROW_GEMV_MAX_SPLIT`` ways. docs/benchmarks.md ("Launch tables") gives the evidence.
     """
+    if cfg.path == "gemv" and m == 1:
+        most = ONE_ROW_GEMV_MAX_SPLIT
+        wanted = sms
+    elif cfg.path == "gemv":
+        most = GEMV_MAX_SPLIT
+        wanted = sms + 1 if cfg.block_m > 16 else 4 * sms
+    else:
+        most = ceil_div(k, cfg.block_k)
+        wanted = 2 * sms
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     k_steps = ceil_div(k, cfg.block_k)
     min_steps = 1 if cfg.path == "gemv" else 4
-    if cfg.path != "gemv":
-        wanted = 2 * sms
-    elif cfg.block_m > 16:
-        wanted = sms + 1  # split while at most one program per SM: doubled, at most two
-    elif m == 1:
-        wanted = sms
-    else:
-        wanted = 4 * sms
-    most = GEMV_MAX_SPLIT if cfg.path == "gemv" else k_steps
     split = 1
     while tiles * split < wanted and k_steps // (split * 2) >= min_steps and split * 2 <= most:
         split *= 2
@@ -182,6 +171,9 @@ def _table_config(
         num_warps=row.num_warps,
         num_stages=row.num_stages,
     )
+    if h200 and m == 1 and not packed_words and cfg.path == "gemv":
+        if ceil_div(n, cfg.block_n) < sms:
+            cfg = replace(cfg, block_n=launch_tables.NARROW_BYTE_GEMV_BLOCK_N.value)
     if packed_words and h200 and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
             cfg = replace(

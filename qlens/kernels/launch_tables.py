@@ -48,6 +48,14 @@ INT4_LONG_TILE_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § top")
 # One-row packed GEMVs with at most this many programs per SM run two warps over longer K.
 TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
 TWO_WARP_BLOCK_K = Tuned(2048, "tuning/results/gemv_tiles_h200.md § top")
+# One-row GEMVs split K at most this many ways: the split's reducing launch cost more host time
+# than it saved, and unsplit narrow layers ran faster on the GPU too.
+ONE_ROW_GEMV_MAX_SPLIT = Tuned(
+    1,
+    "tuning/results/narrow_rows_h200.md § top; tuning/results/one_row_split_e2e_h200.md § top",
+)
+# One-row byte-wise GEMVs with fewer 16-column tiles than SMs take tiles this many columns wide.
+NARROW_BYTE_GEMV_BLOCK_N = Tuned(8, "tuning/results/narrow_rows_h200.md § top")
 # K splits of the 33-64-row GEMM path on packed words.
 MID_ROWS_GEMM_SPLIT = Tuned(
     4, "tuning/results/w4a16_gemm_h200.md § top; tuning/results/w4a16_mid_rows_h200.md § top"
@@ -112,4 +120,6 @@ TUNED = {
     "TWO_WARP_MAX_PROGRAMS_PER_SM": TWO_WARP_MAX_PROGRAMS_PER_SM,
     "TWO_WARP_BLOCK_K": TWO_WARP_BLOCK_K,
     "MID_ROWS_GEMM_SPLIT": MID_ROWS_GEMM_SPLIT,
+    "ONE_ROW_GEMV_MAX_SPLIT": ONE_ROW_GEMV_MAX_SPLIT,
+    "NARROW_BYTE_GEMV_BLOCK_N": NARROW_BYTE_GEMV_BLOCK_N,
 }

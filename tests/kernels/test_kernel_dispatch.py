@@ -140,9 +140,15 @@ def test_h200_table_gives_packed_words_their_own_launches(h200):
     # A small layer splits K until the grid covers the GPU, down to one long K step per split.
     small = choose_config(2, 4096, 4096, gpu, packed_words=True)
     assert small.split_k == 4  # 64 tiles x 4 splits (the most a GEMV splits)
-    # One row splits only below one program per SM: 256 byte-wise tiles stay unsplit.
-    assert choose_config(1, 4096, 4096, gpu).split_k == 1
-    assert choose_config(1, 2048, 4096, gpu).split_k == 2  # 128 tiles
+    # One row never splits K; byte-wise layers of fewer 16-column tiles than SMs take 8 columns.
+    assert (
+        choose_config(1, 4096, 4096, gpu).block_n,
+        choose_config(1, 4096, 4096, gpu).split_k,
+    ) == (16, 1)
+    for n, k in ((2048, 4096), (1024, 4096), (512, 2048), (2048, 8192)):
+        one_row = choose_config(1, n, k, gpu)
+        assert (one_row.path, one_row.block_n, one_row.split_k) == ("gemv", 8, 1), (n, k)
+        assert choose_config(1, n, k, gpu, packed_words=True).split_k == 1, (n, k)
     # Several rows on tensor cores: four programs per SM, at most 4 splits (64 tiles of 64
     # columns); 448 tiles of a 28672-row layer split in two.
     for m in (4, 16):
