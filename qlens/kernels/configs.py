@@ -138,8 +138,11 @@ def choose_config(
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
     ``int4``: its words hold symmetric int4 codes, whose cheaper decode takes longer tiles on
     large layers. Choices are kept per shape and device (an eager call pays a dictionary lookup,
-    not the table walk: on the H200 host the walk took about 60 us a call).
+    not the table walk: on the H200 host the walk took about 60 us a call). W8A8's single row
+    takes the weight-only GEMV, which reads it rounded to FP8 (one launch, no quantizing one).
     """
+    if w8a8 and m == 1:
+        w8a8 = False
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)

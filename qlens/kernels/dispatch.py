@@ -115,14 +115,14 @@ def launch_kernel(
     callers made them once), ``x2`` has at least one row."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if config.path == "gemv":  # W8A8's one row: the GEMV reads it rounded to FP8
+        from qlens.kernels.gemv import gemv_linear
+
+        return gemv_linear(x2, w, bias, config, round_x=w8a8)
     if w8a8:
         from qlens.kernels.fp8_w8a8 import fp8_block_w8a8_linear
 
         return fp8_block_w8a8_linear(x2, w, bias, config)
-    if config.path == "gemv":
-        from qlens.kernels.gemv import gemv_linear
-
-        return gemv_linear(x2, w, bias, config)
     if config.path == "dequant":
         from qlens.kernels.dequant import dequantize_view
 

@@ -14,7 +14,7 @@ from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import on_device
 from qlens.kernels.layout_view import FP8_BLOCK, KernelWeight
-from qlens.kernels.numerics import f32_to_e4m3_bits
+from qlens.kernels.numerics import fp8_act_codes
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import split_target, store_tile
 from qlens.kernels.weight_only import grouped_tile
@@ -40,16 +40,10 @@ def _act_quant_kernel(
     offs_k = g0 * GROUP + tl.arange(0, GROUPS * GROUP)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    x = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP))
-    amax = tl.max(tl.abs(x), axis=2)
-    scale = tl.math.div_rn(amax, 448.0)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, :, None]), -448.0), 448.0)
-    v = tl.reshape(v, (BLOCK_M, GROUPS * GROUP))
-    if INTERPRET:
-        codes = f32_to_e4m3_bits(v)
-    else:
-        codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes, scale = fp8_act_codes(
+        tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP)), 2, INTERPRET
+    )
+    codes = tl.reshape(codes, (BLOCK_M, GROUPS * GROUP))
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
     s_mask = (offs_m < M)[:, None] & (offs_g < n_groups)[None, :]
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, scale, mask=s_mask)

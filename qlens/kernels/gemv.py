@@ -24,7 +24,8 @@ from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
-from qlens.kernels.layout_view import INT4
+from qlens.kernels.layout_view import FP8_BLOCK, INT4
+from qlens.kernels.numerics import fp8_rounded_row
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
@@ -44,8 +45,11 @@ def _gemv_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, LOOP_STAGES: tl.constexpr, ROUND_X: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """``ROUND_X`` (byte-wise weights): each ``GROUP_K`` of ``x`` is read as W8A8 reads it,
+    rounded to per-token FP8 (``fp8_rounded_row``)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -75,8 +79,10 @@ def _gemv_kernel(
                 EVEN_K,
             )  # fmt: skip
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0)
-            acc += w * x.to(tl.float32)[None, :]
+            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
+            if ROUND_X:
+                x = fp8_rounded_row(x, BLOCK_K, GROUP_K, INTERPRET)
+            acc += w * x[None, :]
     total = tl.sum(acc, axis=1)
     store_tile(total[None, :], out_ptr, partial_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M,
                N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
@@ -219,7 +225,8 @@ class PackedGemv(_SplitGemv):
 
 class ByteGemv(_SplitGemv):
     """The byte-wise GEMV of one weight for ``m`` rows (contiguous), prepared once like
-    :class:`PackedGemv`."""
+    :class:`PackedGemv`. ``round_x``: the rows are read rounded to per-token FP8 in the weight's
+    K blocks, as W8A8 reads them (block FP8 weights, ``block_k`` a multiple of the K block)."""
 
     def __init__(
         self,
@@ -229,7 +236,13 @@ class ByteGemv(_SplitGemv):
         has_bias: bool,
         cfg: LinearConfig,
         out_shape: tuple[int, ...] | None = None,
+        round_x: bool = False,
     ) -> None:
+        if round_x and (w.family != FP8_BLOCK or cfg.block_k % w.group_k):
+            raise ValueError(
+                f"FP8-rounded rows need a block FP8 weight and block_k a multiple of its K block "
+                f"({w.group_k}); got family {w.family} and block_k {cfg.block_k}"
+            )
         split = cfg.split_k
         self.has_bias, self.out_shape, self.dtype = has_bias, out_shape or (m, w.n), dtype
         self.partials_shape = (split, m, w.n) if split > 1 else None
@@ -247,7 +260,7 @@ class ByteGemv(_SplitGemv):
             (ceil_div(w.n, cfg.block_n), m, split), args, slots, device,
             **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=w.k % cfg.block_k == 0,
-            SPLIT_K=split, LOOP_STAGES=cfg.num_stages, INTERPRET=interpreting(),
+            SPLIT_K=split, LOOP_STAGES=cfg.num_stages, ROUND_X=round_x, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -272,15 +285,16 @@ def prepared_gemv(
     cfg: LinearConfig,
     out_shape: tuple[int, ...] | None = None,
     x_as_is: bool = True,
+    round_x: bool = False,
 ) -> GemvCall:
     """:func:`prepare_gemv`, kept on the launch view ``w`` (views are kept on their payloads)."""
     calls = w.__dict__.setdefault("_qlens_gemv_calls", {})
-    key = (m, dtype, has_bias, cfg, out_shape, x_as_is)
+    key = (m, dtype, has_bias, cfg, out_shape, x_as_is, round_x)
     call = calls.get(key)
     if call is None:
         if len(calls) >= _MAX_KEPT_CALLS:
             calls.clear()
-        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg, out_shape, x_as_is)
+        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg, out_shape, x_as_is, round_x)
     return call
 
 
@@ -292,13 +306,18 @@ def prepare_gemv(
     cfg: LinearConfig,
     out_shape: tuple[int, ...] | None = None,
     x_as_is: bool = True,
+    round_x: bool = False,
 ) -> GemvCall:
     """The ``"gemv"`` path's launch for ``m`` rows of ``dtype`` against ``w``, prepared once:
     packed 4-bit weights in whole words take the packed kernel at any row count (FMAs up to
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
     ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond. The call takes contiguous
     ``x`` of ``m`` rows in any leading shape and returns ``out_shape`` (default ``[m, n]``);
-    ``x_as_is``: see :class:`PackedGemv`."""
+    ``x_as_is``: see :class:`PackedGemv`; ``round_x``: see :class:`ByteGemv` (one row only)."""
+    if round_x:
+        if m != 1:
+            raise ValueError(f"FP8-rounded rows are read by the one-row GEMV only, got {m} rows")
+        return ByteGemv(w, m, dtype, has_bias, cfg, out_shape, round_x=True)
     words = word_view(w) if cfg.words else None
     if words is not None:
         return PackedGemv(w, words, m, dtype, has_bias, cfg, out_shape=out_shape, x_as_is=x_as_is)
@@ -336,7 +355,8 @@ def gemv_linear(
     w: KernelWeight,
     bias: Float[Tensor, " n"] | None,
     cfg: LinearConfig,
+    round_x: bool = False,
 ) -> Float[Tensor, "m n"]:
     """``x @ W.T + bias`` for a few rows ``x``, ``W`` decoded in-kernel, on the launch
-    :func:`prepare_gemv` prepares (once per view, rows, dtype, bias and ``cfg``)."""
-    return prepared_gemv(w, x.shape[0], x.dtype, bias is not None, cfg)(x, bias)
+    :func:`prepare_gemv` prepares (once per view, rows, dtype, bias, ``cfg`` and ``round_x``)."""
+    return prepared_gemv(w, x.shape[0], x.dtype, bias is not None, cfg, round_x=round_x)(x, bias)

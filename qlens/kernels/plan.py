@@ -189,10 +189,12 @@ class LinearPlan:
         out_shape = (*shape[:-1], w.n)
         config = self.config(m)
         call: LaunchCall
-        if config.path == "gemv" and not self.w8a8:
+        if config.path == "gemv":
             from qlens.kernels.gemv import prepared_gemv  # Triton: once a launch is prepared
 
-            call = prepared_gemv(w, m, dtype, not no_bias, config, out_shape, self.x_as_is)
+            call = prepared_gemv(
+                w, m, dtype, not no_bias, config, out_shape, self.x_as_is, round_x=self.w8a8
+            )
         else:
             call = functools.partial(_launch_on, w, config, out_shape, self.w8a8)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:

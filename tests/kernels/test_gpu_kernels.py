@@ -72,6 +72,22 @@ def test_w8a8_matches_reference_on_gpu(case):
             assert err < 8e-3, (m, cfg, err)
 
 
+@pytest.mark.parametrize("case", SCHEMES[:3], ids=scheme_id)
+def test_one_w8a8_row_is_rounded_as_the_reference_rounds_it_on_gpu(case):
+    """The GEMV's FP8 rounding of a row (hardware e4m3 conversion) against torch's: the same
+    products, so only float32 summation order and the bf16 output rounding remain."""
+    from qlens.kernels.reference import fp8_rounded_activations
+
+    p = quantized(300, 520, case).to("cuda")
+    x = (torch.randn(1, 520, device="cuda") * torch.logspace(-6, 3, 520, device="cuda")).bfloat16()
+    exact = reference_linear(fp8_rounded_activations(x.float(), p.format.block[1]).double(), p)
+    for cfg in (None, LinearConfig("gemv", 16, 8, 512, num_stages=4)):
+        out = quantized_linear(x, p, w8a8=True, config=cfg)
+        torch.testing.assert_close(
+            out.double(), exact, rtol=2**-7, atol=1e-6 * exact.abs().max().item()
+        )
+
+
 SPLIT_LAUNCHES = (
     (("int4", {"group_size": 128}), False, 1, LinearConfig("gemv", 16, 4, 1024, 1, num_warps=1)),
     (("int4", {"group_size": 128}), False, 3, LinearConfig("gemv", 16, 32, 1024, 1)),

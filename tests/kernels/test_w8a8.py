@@ -54,6 +54,49 @@ def test_w8a8_matches_reference(case, config):
     assert rel_err(out, ref) < 4e-3
 
 
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: str(c[1]) or "fp32")
+def test_one_w8a8_row_is_read_rounded_by_the_gemv(case):
+    """One row takes the weight-only GEMV, which rounds each K block of the row to FP8 as
+    ``quantize_activations`` does: the same products as the reference, in float32."""
+    from qlens.kernels.configs import choose_config
+    from qlens.kernels.reference import fp8_rounded_activations, reference_linear
+
+    payload = quantized(70, 300, case)  # 300 columns end in a partial K block
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(1, 300, generator=gen) * torch.logspace(-6, 3, 300)).bfloat16()
+    x[0, 128:256] = 0.0  # an all-zero block reads as zeros (scale 1)
+    bias = torch.randn(70, generator=gen).bfloat16()
+    assert choose_config(1, 70, 300, torch.device("cpu"), w8a8=True).path == "gemv"
+    out = quantized_linear(x, payload, bias, w8a8=True)
+    rounded = fp8_rounded_activations(x.float(), 128)
+    exact = reference_linear(rounded.double(), payload, bias.double())
+    assert out.shape == (1, 70) and out.dtype == torch.bfloat16
+    # float32 sums of the rounded products: within two bf16 output roundings of the exact sum.
+    torch.testing.assert_close(
+        out.double(), exact, rtol=2**-7, atol=1e-6 * exact.abs().max().item()
+    )
+    assert rel_err(out, reference_w8a8_linear(x.double(), payload, bias.double())) < 4e-3
+    # The row is rounded, not read as it is: weight-only differs.
+    assert not torch.equal(out, quantized_linear(x, payload, bias))
+    for config in (LinearConfig("gemv", 16, 16, 256, split_k=2), LinearConfig("gemv", 16, 8, 128)):
+        again = quantized_linear(x, payload, bias, w8a8=True, config=config)
+        torch.testing.assert_close(
+            again.double(), exact, rtol=2**-7, atol=1e-6 * exact.abs().max().item()
+        )
+
+
+def test_fp8_rounded_rows_need_one_row_and_whole_k_blocks():
+    payload = quantized(16, 256, FP8_CASES[0])
+    with pytest.raises(ValueError, match="one-row GEMV only, got 2 rows"):
+        quantized_linear(
+            torch.randn(2, 256), payload, w8a8=True, config=LinearConfig("gemv", 16, 16, 128)
+        )
+    with pytest.raises(ValueError, match=r"block_k a multiple of its K block \(128\)"):
+        quantized_linear(
+            torch.randn(1, 256), payload, w8a8=True, config=LinearConfig("gemv", 16, 16, 64)
+        )
+
+
 def test_w8a8_rejects_other_formats():
     payload = quantized(16, 64, ("mxfp8", {}))
     with pytest.raises(ValueError, match="fp8_block weights only"):
