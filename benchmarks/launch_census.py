@@ -37,7 +37,7 @@ NO_LAUNCH = {
     "empty", "empty_like", "empty_strided", "detach", "lift_fresh", "_to_copy_noop",
 }  # fmt: skip
 SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B, "moe": QWEN3_MOE}
-SCHEMES = ("bf16", "int4", "nvfp4", "mxfp4", "fp8-block")
+SCHEMES = ("bf16", "int4", "nvfp4", "mxfp4", "fp8-block", "fp8-block-w8a8")
 
 
 class AtenLaunches(TorchDispatchMode):
@@ -116,7 +116,10 @@ def decoder_layer(shape: dict, scheme: str):
         config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     layer = layer_class(config, layer_idx=0).eval()
-    if scheme != "bf16":
+    if scheme == "fp8-block-w8a8":  # block FP8 with FP8 activations, as e2e_model.py's row
+        layer = qlens.quantize(layer, "fp8-block")
+        qlens.set_w8a8(layer)
+    elif scheme != "bf16":
         layer = qlens.quantize(layer, scheme)  # the default skips, as the e2e models
     return layer, rotary_class(config), config
 
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> str:
         "make views or allocate not counted"
     )
     text = header("Kernel launches of an eager decode step, per layer", timing, ["transformers"])
-    text += "\n" + "\n".join(lines)
+    text += "\n".join(lines)
     publish(text, "launch_census_cpu.md")
     return text
 
