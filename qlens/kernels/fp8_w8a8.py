@@ -14,7 +14,7 @@ from qlens.kernels.decode import e8m0_to_f32
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import on_device
 from qlens.kernels.layout_view import FP8_BLOCK, KernelWeight
-from qlens.kernels.numerics import fp8_act_codes
+from qlens.kernels.numerics import cast_out, fp8_act_codes
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.splits import split_target, store_tile
 from qlens.kernels.weight_only import grouped_tile
@@ -28,11 +28,13 @@ E4M3_MAX = 448.0
 @no_type_check
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, DECODED: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_M`` rows by ``GROUPS`` consecutive groups. Consecutive programs
     walk down the rows, writing consecutive scales of the column-major layout (on the H200
-    faster than walking along K, fp8_prefill_h200.md)."""
+    faster than walking along K, fp8_prefill_h200.md). ``DECODED``: ``q_ptr`` gets ``code *
+    scale`` in its own dtype instead of the codes, and no scales are written."""
     n_groups = tl.cdiv(K, GROUP)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g0 = tl.program_id(1) * GROUPS
@@ -43,10 +45,19 @@ def _act_quant_kernel(
     codes, scale = fp8_act_codes(
         tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP)), 2, INTERPRET
     )
-    codes = tl.reshape(codes, (BLOCK_M, GROUPS * GROUP))
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
-    s_mask = (offs_m < M)[:, None] & (offs_g < n_groups)[None, :]
-    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, scale, mask=s_mask)
+    if DECODED:
+        decoded = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        decoded = cast_out(
+            tl.reshape(decoded, (BLOCK_M, GROUPS * GROUP)), q_ptr.dtype.element_ty, INTERPRET
+        )
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], decoded, mask=mask)
+    else:
+        codes = tl.reshape(codes, (BLOCK_M, GROUPS * GROUP))
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], codes, mask=mask)
+        s_mask = (offs_m < M)[:, None] & (offs_g < n_groups)[None, :]
+        tl.store(
+            s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, scale, mask=s_mask
+        )
 
 
 _ACT_QUANT = FastLaunch(_act_quant_kernel)
@@ -75,19 +86,43 @@ def quantize_activations(
     n_groups = ceil_div(k, group)
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scales = torch.empty((n_groups, m), dtype=torch.float32, device=x.device).t()
+    _launch_act_quant(x, codes, scales, group, block_m, groups)
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def fp8_rounded_rows(x: Float[Tensor, "m k"], group: int = 128) -> Float[Tensor, "m k"]:
+    """``x`` as W8A8 reads it, in one launch: :func:`quantize_activations`' codes times their
+    scales, rounded to ``x``'s dtype (``reference.fp8_rounded_activations(x, group)
+    .to(x.dtype)``, bit for bit)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_act_quant(x, out, out, group, None, None)
+    return out
+
+
+def _launch_act_quant(
+    x: Tensor,
+    out: Tensor,
+    scales: Tensor,
+    group: int,
+    block_m: int | None,
+    groups: int | None,
+) -> None:
+    """The act-quant launch: codes and scales, or (``out`` not uint8) decoded values only."""
+    m, k = x.shape
     if block_m is None:
         block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     if groups is None:
         groups = 4 if interpreting() else ACT_QUANT_GROUPS
     require_tile_sizes(1, block_m=block_m, groups=groups)
-    grid = (ceil_div(m, block_m), ceil_div(n_groups, groups))
+    grid = (ceil_div(m, block_m), ceil_div(ceil_div(k, group), groups))
+    decoded = out.dtype != torch.uint8
     with on_device(x.device):
         _ACT_QUANT.launch(
-            grid, x, codes, scales, m, k, x.stride(0), codes.stride(0), scales.stride(0),
-            scales.stride(1), GROUP=group, BLOCK_M=block_m, GROUPS=groups,
+            grid, x, out, scales, m, k, x.stride(0), out.stride(0), scales.stride(0),
+            scales.stride(-1), GROUP=group, BLOCK_M=block_m, GROUPS=groups, DECODED=decoded,
             INTERPRET=interpreting(),
         )  # fmt: skip
-    return codes.view(torch.float8_e4m3fn), scales
 
 
 @triton.jit

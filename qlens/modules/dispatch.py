@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear, require_w8a8
@@ -108,6 +109,12 @@ def _as_is(x: Tensor) -> Tensor:
 
 
 def _fp8_rounded(group: int, x: Tensor) -> Tensor:
+    """``x`` rounded as W8A8 reads it: one Triton launch on a GPU outside compiled graphs
+    (inductor fuses the torch ops inside them), the torch reference elsewhere."""
+    if x.is_cuda and x.dtype in ACTIVATION_DTYPES and not torch.compiler.is_compiling():
+        from qlens.kernels.fp8_w8a8 import fp8_rounded_rows  # Triton: on a GPU only
+
+        return fp8_rounded_rows(x.reshape(-1, x.shape[-1]), group).view(x.shape)
     return fp8_rounded_activations(x, group).to(x.dtype)
 
 

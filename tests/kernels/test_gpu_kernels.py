@@ -88,6 +88,18 @@ def test_one_w8a8_row_is_rounded_as_the_reference_rounds_it_on_gpu(case):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_rounded_rows_match_torch_on_gpu(dtype):
+    from qlens.kernels.fp8_w8a8 import fp8_rounded_rows
+    from qlens.kernels.reference import fp8_rounded_activations
+
+    x = (torch.randn(37, 520, device="cuda") * torch.logspace(-6, 3, 520, device="cuda")).to(dtype)
+    x[3] = 0.0
+    for group in (128, 64):
+        expected = fp8_rounded_activations(x, group).to(dtype)
+        assert torch.equal(fp8_rounded_rows(x, group), expected), group
+
+
 SPLIT_LAUNCHES = (
     (("int4", {"group_size": 128}), False, 1, LinearConfig("gemv", 16, 4, 1024, 1, num_warps=1)),
     (("int4", {"group_size": 128}), False, 3, LinearConfig("gemv", 16, 32, 1024, 1)),

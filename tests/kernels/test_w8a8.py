@@ -97,6 +97,26 @@ def test_fp8_rounded_rows_need_one_row_and_whole_k_blocks():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_rounded_rows_are_the_references_bit_for_bit(dtype):
+    """One launch writes W8A8's rounded activations in ``x``'s dtype, as the torch reference
+    rounds them (the W8A8 experts' inputs on a GPU)."""
+    from qlens.kernels.fp8_w8a8 import fp8_rounded_rows
+    from qlens.kernels.reference import fp8_rounded_activations
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 300, generator=gen) * torch.logspace(-6, 3, 300)).to(dtype)
+    x[3] = 0.0
+    for group in (128, 64):
+        out = fp8_rounded_rows(x, group)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert torch.equal(out, fp8_rounded_activations(x, group).to(dtype)), group
+    strided = torch.randn(300, 37, generator=gen).to(dtype).t()
+    assert torch.equal(
+        fp8_rounded_rows(strided, 128), fp8_rounded_activations(strided, 128).to(dtype)
+    )
+
+
 def test_w8a8_rejects_other_formats():
     payload = quantized(16, 64, ("mxfp8", {}))
     with pytest.raises(ValueError, match="fp8_block weights only"):
