@@ -41,8 +41,8 @@ _WITH_MIN = (Q4_1, Q5_1)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GGML_BLOCK = 32
 # Rows x columns (whole GGML blocks) per program: few big tiles in the interpreter. On the GPU
-# two rows of 1024 columns on two warps: the best tile, or within 3% of it, for every type in the
-# H200 sweep of dequant_library_h200.md (87-93% of the copy ceiling; 16 x 256 ran 1.4-2.1x slower).
+# two rows of 1024 columns on two warps: the best tile, or close to it, for every type in the
+# H200 sweep of dequant_library_h200.md.
 GPU_LAUNCH = DequantLaunch(2, 1024, 2)
 INTERPRETER_LAUNCH = DequantLaunch(32, 1024, 4)
 

@@ -3,8 +3,8 @@
 Packed 4-bit weights whose rows are whole int32 words take ``packed_gemv.packed_gemv_kernel``
 (``LinearConfig(words=False)`` turns it off, for comparisons; see ``word_view``): all rows of ``x`` per
 weight tile, 16-byte word loads, integer decodes, FMAs for one row and tensor-core dots
-beyond. On the H200 (28672 x 8192, one row) it is 1.8-2.7x faster than the
-byte-wise kernel. Other weights take the byte-wise kernel here
+beyond (faster than the byte-wise kernel on the H200: ``docs/benchmarks.md``, "Launch
+tables"). Other weights take the byte-wise kernel here
 (no tensor cores, no shared memory: one program per (N tile, row, K split), so small M re-reads
 the strip from L2, not memory, and the product is reduced along K once at the end).
 """
@@ -92,8 +92,8 @@ _GEMV = FastLaunch(_gemv_kernel)
 
 
 # Up to this many rows the packed GEMV multiplies in FMAs; more rows go to tensor-core dots,
-# whose cost does not grow with the rows. An [M, N, words] FMA product for 2-4 rows ran at
-# 0.06-0.07x bf16 on the H200 (6144 x 4096 int4, 4 rows: 604.8 us, gemv_registers_h200.md).
+# whose cost does not grow with the rows (an FMA product for 2-4 rows ran far slower than bf16:
+# benchmarks/results/archive/gemv_registers_h200.md).
 FMA_MAX_ROWS = 1
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -144,11 +144,10 @@ class PackedGemv(_SplitGemv):
 
     ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
     one launch. ``x_as_is=False`` has an E2M1 (MXFP4, NVFP4) row read regrouped
-    (``permute_codes``): a faster kernel (in a CUDA graph, 28672 x 4096 MXFP4 34.4 against
-    58.9 us, the regrouping included; ``benchmarks/tuning/results/x_as_is_h200.md``), fed through
-    :meth:`on_kernel_rows` by a compiled graph that regrouped the row itself; int4 rows are read
-    as they are either way (26.5 against 28.0 us). Rows on tensor cores always take ``x``
-    regrouped.
+    (``permute_codes``): a faster kernel in a CUDA graph, the regrouping included
+    (``benchmarks/tuning/results/x_as_is_h200.md``), fed through :meth:`on_kernel_rows` by a
+    compiled graph that regrouped the row itself; int4 rows are read as they are either way.
+    Rows on tensor cores always take ``x`` regrouped.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""

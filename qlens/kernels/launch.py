@@ -26,9 +26,9 @@ def dot_kernel_args(
     w: KernelWeight,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernel_args`` for the packed tensor-core paths: E4M3 scales (NVFP4) travel as bytes,
-    decoded by bit operations in the dots' own layout (16 rows: 8-14% faster on the H200; the
-    one-row FMA path keeps the hardware conversion: 28672 x 8192, 73.3 us with the bit decode,
-    64.2 us without)."""
+    decoded by bit operations in the dots' own layout (faster there on the H200; the one-row
+    FMA path, where the hardware conversion was faster, keeps it: kernel notes,
+    ``benchmarks/results/kernels_notes.md``)."""
     data, scales, zeros, global_scale = kernel_args(w)
     if scales.dtype == torch.float8_e4m3fn:
         scales = scales.view(torch.uint8)

@@ -19,8 +19,8 @@ activations for all its rows (other tiles stay correct but pay a shared-memory e
 code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
 ``[words, 8]`` load split into the eight code positions in registers, so a call launches
 nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
-one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran at 0.06-0.07x bf16 on
-the H200, ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
+one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
+``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
 position (``qlens.kernels.code_order.permute_codes``).
 """
 
