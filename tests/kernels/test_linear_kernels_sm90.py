@@ -29,25 +29,36 @@ FastLaunch.launch = lambda self, grid, *args, **options: recorded.append(
 PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(
     (self.launcher.kernel, self.arguments(*tensors), self._options))
 
-CASES = [  # scheme, options, rows
-    ("int4", {"group_size": 128}, (1, 16, 48)),
-    ("mxfp4", {}, (1, 48)),
-    ("nvfp4", {}, (1, 16)),
-    ("fp8-block", {}, (1, 8)),
-    ("int8", {}, (1,)),
+CASES = [  # scheme, options, rows, FP8 activations
+    ("int4", {"group_size": 128}, (1, 16, 48), False),
+    ("mxfp4", {}, (1, 48), False),
+    ("nvfp4", {}, (1, 16), False),
+    ("fp8-block", {}, (1, 8), False),
+    ("fp8-block", {}, (1, 8), True),
+    ("int8", {}, (1,), False),
 ]
 results = []
-for scheme, options, row_counts in CASES:
+
+
+def compile_recorded(case):
+    for kernel, args, launch in recorded:
+        usage = compile_sm90(kernel, args, launch, sys.argv[1])
+        results.append({"case": case, "kernel": kernel.__name__,
+                        "use_dot": launch.get("USE_DOT"), "use_asm": launch.get("USE_ASM"),
+                        "round_x": launch.get("ROUND_X"), "decoded": launch.get("DECODED"),
+                        **usage})
+    recorded.clear()
+
+
+for scheme, options, row_counts, w8a8 in CASES:
     payload = quantize_weight(torch.randn(4096, 4096), scheme, **options)
-    kernels = plan.LinearPlan(payload, torch.device("cpu"), route="kernel")
+    kernels = plan.LinearPlan(payload, torch.device("cpu"), route="kernel", w8a8=w8a8)
     for rows in row_counts:
         kernels(torch.randn(rows, 4096, dtype=torch.bfloat16))
-        for kernel, args, launch in recorded:
-            usage = compile_sm90(kernel, args, launch, sys.argv[1])
-            results.append({"case": f"{scheme} {rows} rows", "kernel": kernel.__name__,
-                            "use_dot": launch.get("USE_DOT"), "use_asm": launch.get("USE_ASM"),
-                            **usage})
-        recorded.clear()
+        compile_recorded(f"{scheme}{' w8a8' if w8a8 else ''} {rows} rows")
+from qlens.kernels.fp8_w8a8 import fp8_rounded_rows
+fp8_rounded_rows(torch.randn(8, 4096, dtype=torch.bfloat16), 128)
+compile_recorded("fp8-rounded rows")
 print(json.dumps(results))
 """
 
@@ -63,7 +74,12 @@ KNOWN_SPILLS = {
 @pytest.mark.skipif(nvidia_tools() is None, reason="Triton's NVIDIA backend tools are missing")
 def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
     results = run_compile_script(RECORD_AND_COMPILE)
-    assert len(results) >= 9
+    assert len(results) >= 12
+    # W8A8's one row: one GEMV rounding the row in the kernel; the experts' rounding launch.
+    one_w8a8_row = [r for r in results if r["case"] == "fp8-block w8a8 1 rows"]
+    assert [(r["kernel"], r["round_x"]) for r in one_w8a8_row] == [("_gemv_kernel", True)]
+    rounded = [r for r in results if r["case"] == "fp8-rounded rows"]
+    assert [(r["kernel"], r["decoded"]) for r in rounded] == [("_act_quant_kernel", True)]
     for result in results:
         spill_limit = KNOWN_SPILLS.get((result["case"], result["kernel"]), 0)
         assert result["stack"] <= spill_limit, result  # registers spilled to local memory
