@@ -228,6 +228,16 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
             work.repeats,
         ),
     )
+    row.measure(
+        "paired_cache",
+        lambda: paired_time_ratio(
+            lambda: bridge.run_with_cache(
+                work.tokens, names_filter=lambda name: name.endswith("hook_resid_post")
+            ),
+            lambda: bridge(work.tokens),
+            work.repeats,
+        ),
+    )
     generate = bridge_generate(bridge)
     row.measure("decode", lambda: tokens_per_s(generate, work))
     row.measure(
@@ -247,11 +257,23 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
     def steer(resid: torch.Tensor, hook: object) -> torch.Tensor:
         return resid + direction
 
+    hooks = [(f"blocks.{layer}.hook_resid_post", steer)]
+
     def steered() -> float:
-        with bridge.hooks(fwd_hooks=[(f"blocks.{layer}.hook_resid_post", steer)]):
+        with bridge.hooks(fwd_hooks=hooks):
             return tokens_per_s(generate, work)
 
     row.measure("steered_decode", steered)
+    plain_decode = decode_call(generate, work, work.decode_tokens)
+
+    def steered_decode() -> None:
+        with bridge.hooks(fwd_hooks=hooks):
+            plain_decode()
+
+    row.measure(
+        "paired_steering",
+        lambda: paired_time_ratio(steered_decode, plain_decode, work.repeats),
+    )
 
 
 def bridge_generate(bridge) -> Callable[..., torch.Tensor]:
@@ -366,6 +388,8 @@ COLUMNS = (
     "HF prefill vs bf16, paired",
     "HF decode vs bf16, paired",
     "bridge overhead decode, paired",
+    "cache / prefill, paired",
+    "steering cost, paired",
 )
 
 
@@ -419,6 +443,8 @@ def table(rows: list[Row]) -> list[str]:
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_prefill"),
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_decode"),
             paired(c, "paired_bridge_decode"),
+            paired(c, "paired_cache"),
+            paired(c, "paired_steering"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -496,7 +522,10 @@ def main(argv: list[str] | None = None) -> str:
         "The paired columns time bf16 and this model back to back, alternating, and give the "
         "median of bf16's time / this model's over the pairs (robust to a host whose speed "
         "drifts during the run); the paired bridge overhead alternates the bridge's and the "
-        "plain HF model's decode of the same model (its time over HF's). "
+        "plain HF model's decode of the same model (its time over HF's), the paired cache "
+        "the bridge's run_with_cache and its plain prefill (the cache's time over the "
+        "prefill's), and the paired steering cost the bridge's decode with the steering hook "
+        "and without (with over without). "
         "bitsandbytes rows run through plain HF only, and quantize `nn.Linear` layers only (the "
         "MoE's fused experts stay bf16). Cells starting with `error:` are "
         "measurements that failed.",

@@ -46,10 +46,17 @@ def test_tiny_run_measures_every_cell(tmp_path):
     for row in (int4, nf4):
         for column in ("HF prefill vs bf16, paired", "HF decode vs bf16, paired"):
             assert row[column].endswith("x") and float(row[column][:-1]) > 0, (column, row)
-    for row in (bf16, int4):  # the bridge against plain HF on the same model, in pairs
-        overhead = row["bridge overhead decode, paired"]
-        assert overhead.endswith("x") and float(overhead[:-1]) > 0, row
-    assert nf4["bridge overhead decode, paired"] == ""  # no bridge for bitsandbytes rows
+    # The bridge against plain HF, caching against a plain prefill and a steered decode
+    # against an unsteered one, each on the same model in pairs.
+    own_pairs = (
+        "bridge overhead decode, paired",
+        "cache / prefill, paired",
+        "steering cost, paired",
+    )
+    for row in (bf16, int4):
+        for column in own_pairs:
+            assert row[column].endswith("x") and float(row[column][:-1]) > 0, (column, row)
+    assert all(nf4[column] == "" for column in own_pairs)  # no bridge for bitsandbytes rows
     assert int4["compiled tok/s"] == "-"  # not in --compile-schemes
     # int4 with group 128 stores 4.125 bits per weight against 16; embeddings and the
     # unembedding stay bf16, so the tiny model shrinks less than 16 / 4.125.
