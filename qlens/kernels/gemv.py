@@ -240,7 +240,7 @@ class ByteGemv(_SplitGemv):
         if round_x and (w.family != FP8_BLOCK or cfg.block_k % w.group_k):
             raise ValueError(
                 f"FP8-rounded rows need a block FP8 weight and block_k a multiple of its K block "
-                f"({w.group_k}); got family {w.family} and block_k {cfg.block_k}"
+                f"({w.group_k}); got {w.name} and block_k {cfg.block_k}"
             )
         split = cfg.split_k
         self.has_bias, self.out_shape, self.dtype = has_bias, out_shape or (m, w.n), dtype
