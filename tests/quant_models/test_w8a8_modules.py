@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_experts import random_fp8_experts
 from tiny_models import input_ids, make_model
 
 import qlens
@@ -277,20 +278,12 @@ def test_set_w8a8_reaches_fp8_experts_compiled_and_saved(backend: str, tmp_path)
 
 
 def test_set_w8a8_reaches_transformers_fp8_experts_a_bridge_rerouted() -> None:
-    from transformers.integrations.finegrained_fp8 import FP8Experts
-
     from qlens.modules import QuantExperts
     from qlens.modules.expert_gate import ExpertGate
     from qlens.quant.adopt import adopt_module
 
     model = make_model("mixtral")
-    hf_experts = FP8Experts(model.config, block_size=(128, 128))
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
-            weight, scale = getattr(hf_experts, name), getattr(hf_experts, f"{name}_scale_inv")
-            weight.copy_((torch.randn(weight.shape, generator=gen) * 60).to(weight.dtype))
-            scale.copy_(torch.rand(scale.shape, generator=gen) * 1e-3 + 1e-4)
+    hf_experts = random_fp8_experts(model.config, (128, 128), seed=9)
     model.model.layers[0].mlp.experts = hf_experts
     bridge = qlens.Bridge(model)  # its own forward needs CUDA kernels: rerouted on this CPU
     assert "model.layers.0.mlp.experts" in bridge.rerouted

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from arch_models import ARCHS, perturbed_model, tiny_model
+from fp8_experts import random_fp8_experts
 from unreadable_models import swapped_bridge
 
 from qlens.bridge import Bridge
@@ -199,17 +200,9 @@ def test_opt_in_rebuilds_quantized_experts_as_the_family_float_class(arch, schem
 
 
 def test_opt_in_rebuilds_transformers_fp8_experts_as_float():
-    from transformers.integrations.finegrained_fp8 import FP8Experts
-
     model = perturbed_model("mixtral")
     float_class = type(model.model.layers[0].mlp.experts)
-    experts = FP8Experts(model.config, block_size=(16, 16))
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
-            weight, scale = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
-            weight.copy_((torch.randn(weight.shape, generator=generator) * 60).to(weight.dtype))
-            scale.copy_(torch.rand(scale.shape, generator=generator) * 1e-3 + 1e-4)
+    experts = random_fp8_experts(model.config, (16, 16), seed=3)
     model.model.layers[0].mlp.experts = experts
     bridge = Bridge(model)  # runs the FP8 experts through qlens on this CPU
     reference = _logits(bridge)
