@@ -174,9 +174,9 @@ def _table_config(
         num_warps=row.num_warps,
         num_stages=row.num_stages,
     )
-    if h200 and m == 1 and not packed_words and cfg.path == "gemv":
-        if ceil_div(n, cfg.block_n) < sms:
-            cfg = replace(cfg, block_n=launch_tables.NARROW_BYTE_GEMV_BLOCK_N.value)
+    narrow = ceil_div(n, cfg.block_n) < sms
+    if h200 and m == 1 and not packed_words and cfg.path == "gemv" and narrow:
+        cfg = replace(cfg, block_n=launch_tables.NARROW_BYTE_GEMV_BLOCK_N.value)
     if packed_words and h200 and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
             cfg = replace(

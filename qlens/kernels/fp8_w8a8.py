@@ -86,6 +86,8 @@ def quantize_activations(
     n_groups = ceil_div(k, group)
     codes = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     scales = torch.empty((n_groups, m), dtype=torch.float32, device=x.device).t()
+    overrides = {"block_m": block_m, "groups": groups}
+    require_tile_sizes(1, **{name: v for name, v in overrides.items() if v is not None})
     _launch_act_quant(x, codes, scales, group, block_m, groups)
     return codes.view(torch.float8_e4m3fn), scales
 
@@ -108,13 +110,13 @@ def _launch_act_quant(
     block_m: int | None,
     groups: int | None,
 ) -> None:
-    """The act-quant launch: codes and scales, or (``out`` not uint8) decoded values only."""
+    """The act-quant launch: codes and scales, or (``out`` not uint8) decoded values only;
+    ``block_m`` and ``groups`` checked by the caller, None for the defaults."""
     m, k = x.shape
     if block_m is None:
         block_m = 64 if interpreting() else ACT_QUANT_BLOCK_M
     if groups is None:
         groups = 4 if interpreting() else ACT_QUANT_GROUPS
-    require_tile_sizes(1, block_m=block_m, groups=groups)
     grid = (ceil_div(m, block_m), ceil_div(ceil_div(k, group), groups))
     decoded = out.dtype != torch.uint8
     with on_device(x.device):
