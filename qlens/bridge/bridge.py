@@ -100,12 +100,14 @@ class Bridge(HookSwitches, ModelAPI):
         ``keep_forward`` keeps it for the modules whose names match those glob patterns.
         """
         from qlens.modules.reroute import reroute_quantized_modules
+        from qlens.modules.siblings import group_siblings
 
         self.model = model
         self.tokenizer = tokenizer
         self.rerouted: list[str] = (
             reroute_quantized_modules(model, keep=keep_forward) if reroute else []
         )
+        group_siblings(model)  # q/k/v and gate/up share one launch at one row
         self.adapter: Adapter = get_adapter(model)
         self._layers = resolve_layers(model, self.adapter)
         attention.register()

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import require_w8a8
 from qlens.modules.payload_buffers import PayloadModule, traced_payload
+from qlens.modules.siblings import SiblingGroup
 from qlens.quant.payload import QuantPayload
 
 _WEIGHT_MESSAGE = (
@@ -41,6 +42,9 @@ class QuantLinear(PayloadModule):
     ) -> None:
         super().__init__()
         self._w8a8 = False
+        # Set by qlens.modules.siblings.SiblingGroup: siblings that may share one launch.
+        self._sibling_group: SiblingGroup | None = None
+        self._sibling_index = 0
         if len(payload.shape) != 2:
             raise ValueError(
                 f"QuantLinear needs a 2-D [out, in] payload; got shape {list(payload.shape)} "
@@ -71,6 +75,8 @@ class QuantLinear(PayloadModule):
         if bool(value) != self._w8a8:
             self._w8a8 = bool(value)
             self._plans.pop("weight", None)  # the kept plan ran the other numerics
+            if self._sibling_group is not None:
+                self._sibling_group.forget()
         self.trace_with("weight", self._w8a8)
 
     @property
@@ -95,7 +101,17 @@ class QuantLinear(PayloadModule):
                 f"QuantLinear expects inputs with {self.in_features} features in the last dim; "
                 f"got shape {list(x.shape)}"
             )
+        group = self._sibling_group
+        if group is not None:
+            shared = group.output(self._sibling_index, x)
+            if shared is not None:
+                return shared
         return self.linear_plan("weight", x, self._w8a8)(x, self.bias)
+
+    def forget_prepared(self) -> None:
+        super().forget_prepared()
+        if self._sibling_group is not None:  # the buffers changed: so does the shared launch
+            self._sibling_group.forget()
 
     def extra_repr(self) -> str:
         payload = self.payload

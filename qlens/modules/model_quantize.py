@@ -32,6 +32,7 @@ from torch import nn
 
 from qlens.modules import QuantExperts, QuantLinear
 from qlens.modules.hf_experts import FusedExpertWeights, is_fused_experts, read_fused_experts
+from qlens.modules.siblings import group_siblings
 from qlens.quant.payload import QuantPayload
 from qlens.quant.quantize import quantize_weight, quantizing_codecs
 
@@ -122,6 +123,7 @@ def quantize(
         before / 2**20,
         after / 2**20,
     )
+    group_siblings(model)
     if bridge is None:
         return model
     return type(bridge)(model, tokenizer=getattr(bridge, "tokenizer", None))

@@ -8,12 +8,14 @@ from kernel_cases import SCHEMES, quantized, rel_err, scheme_id
 
 from qlens.kernels import LinearConfig, choose_config, dequantize_triton, quantized_linear
 from qlens.kernels.fp8_w8a8 import quantize_activations
+from qlens.kernels.gemv import prepare_gemv
 from qlens.kernels.reference import (
     reference_act_quant,
     reference_linear,
     reference_w8a8_linear,
 )
 from qlens.kernels.runtime import interpreting
+from qlens.kernels.sibling_gemv import SiblingGemv, sibling_gemv
 from qlens.kernels.weights import kernel_weight
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
@@ -245,3 +247,23 @@ def test_experts_one_launch_on_gpu(case):
     x = torch.randn(7, 1024, device="cuda").to(torch.bfloat16)
     ref = torch.einsum("tk,tnk->tn", x.double(), weight[ids]) + bias.double()[ids]
     assert rel_err(experts_linear(x, p, ids, bias), ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_siblings_share_one_launch_on_gpu(case):
+    """q/k/v of an 8B layer in one launch: each sibling's columns equal its own one-row GEMV
+    with the shared tile, and its own launch (the H200 table's tile) within the bf16 tolerance."""
+    device = torch.device("cuda")
+    payloads = [
+        quantized(n, 4096, case, seed=i).to("cuda") for i, n in enumerate((4096, 1024, 1024))
+    ]
+    views = [kernel_weight(p) for p in payloads]
+    biases = [torch.randn(p.shape[0], device="cuda").bfloat16() for p in payloads]
+    shared = sibling_gemv(views, torch.bfloat16, True, device)
+    assert isinstance(shared, SiblingGemv), shared
+    x = torch.randn(1, 1, 4096, device="cuda").bfloat16()
+    for w, p, bias, out in zip(views, payloads, biases, shared(x, biases), strict=True):
+        own = prepare_gemv(w, 1, torch.bfloat16, True, shared.config, (1, 1, w.n))
+        assert torch.equal(out, own(x, bias))
+        alone = quantized_linear(x, p, bias)
+        assert rel_err(out, alone) < TOLERANCE[torch.bfloat16]
