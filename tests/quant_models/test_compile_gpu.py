@@ -68,4 +68,8 @@ def test_compiled_w8a8_matches_eager_and_the_reference(family: str, mode: str) -
         compiled = torch.compile(model, mode=mode, fullgraph=True)
         for _ in range(3):
             got = compiled(ids).logits
-    assert _rel(got, eager) < 2e-2
+    # W8A8 rounds every linear's input to FP8 (3 mantissa bits, steps of 2**-3 relative).
+    # Where inductor's fused norms and rotary round a bf16 value differently (2**-8 relative),
+    # about 2**-8 / 2**-3 = 1/32 of the codes move one FP8 step: sqrt(1/32) * 2**-3, about 2%
+    # of each linear's output, for each of a layer's seven linears (sqrt(7) * 2% ~ 6%).
+    assert _rel(got, eager) < 6e-2
