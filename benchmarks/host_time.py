@@ -164,6 +164,40 @@ def _modules() -> dict[str, object]:
     }
 
 
+def _sibling_projections() -> dict[str, object]:
+    """q, k and v QuantLinears of an 8B layer (int4, one token) sharing one launch, and each
+    launching on its own, through direct launches of stand-in compiled kernels (everything a
+    GPU launch does on the host but Triton's C launcher and the driver)."""
+    from triton.runtime.jit import JITFunction
+
+    import qlens.kernels.sibling_gemv as sibling_gemv
+    from qlens.modules.siblings import SiblingGroup
+
+    for module, name, kernel in (
+        (gemv, "PACKED_GEMV", gemv.packed_gemv_kernel),
+        (sibling_gemv, "_PACKED_SIBLINGS", sibling_gemv.packed_siblings_gemv_kernel),
+    ):
+        launcher = FastLaunch(_CompilingKernel(JITFunction(kernel.fn)))
+        launcher._runtime, launcher._resolved = _Runtime(), True
+        setattr(module, name, launcher)
+    payloads = [
+        quantize_weight(torch.randn(n, 4096), "int4", group_size=128) for n in (4096, 1024, 1024)
+    ]
+    shared = [QuantLinear(p) for p in payloads]
+    SiblingGroup(shared)
+    alone = [QuantLinear(p) for p in payloads]
+    x = torch.randn(1, 1, 4096)
+
+    def projections(modules: list[QuantLinear]) -> object:
+        return lambda: [module(x) for module in modules]
+
+    label = "q, k and v QuantLinears, int4 4096/1024/1024 x 4096, one token, direct launches"
+    return {
+        f"{label}: one shared launch": projections(shared),
+        f"{label}: one launch each": projections(alone),
+    }
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1: the calls run on CPU tensors")
@@ -187,6 +221,7 @@ def main() -> None:
         ),
         **_modules(),
         **direct,
+        **_sibling_projections(),
     }
     lines = [
         "# Host time per eager call, Triton launches excluded",

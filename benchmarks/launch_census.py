@@ -7,7 +7,7 @@ a one-token step on the CPU with qlens' kernel route and the H200 launch tables 
 Triton launch recorded by kernel name instead of run, and every ATen op recorded by a dispatch
 mode; ops that only make views or allocate launch nothing and are not counted.
 
-Run: ``python benchmarks/launch_census.py`` (prints markdown; with ``$OUT`` set, also writes
+Run: ``TRITON_INTERPRET=1 python benchmarks/launch_census.py`` (prints markdown; with ``$OUT`` set, also writes
 ``$OUT/launch_census_cpu.md``). Takes about a minute (quantizing the layers).
 """
 
@@ -75,6 +75,7 @@ def force_h200_kernel_route(launches: collections.Counter[str]) -> None:
     import qlens.kernels.gemv as gemv
     import qlens.kernels.grouped_experts as grouped
     import qlens.kernels.plan as plan
+    import qlens.kernels.sibling_gemv as sibling_gemv
     import qlens.kernels.splits as splits
     import qlens.kernels.weight_only as weight_only
     from qlens.kernels.experts import ExpertsPlan
@@ -85,7 +86,7 @@ def force_h200_kernel_route(launches: collections.Counter[str]) -> None:
     configs.interpreting = lambda: False
     configs.gpu_name = lambda device: "NVIDIA H200"
     configs._sm_count = lambda device: 132
-    for module in (gemv, splits, grouped, fp8_w8a8, dequant, weight_only):
+    for module in (gemv, sibling_gemv, splits, grouped, fp8_w8a8, dequant, weight_only):
         for name, value in list(vars(module).items()):
             if isinstance(value, FastLaunch):
                 kernel_name = getattr(value.kernel, "__name__", name).strip("_")
