@@ -30,6 +30,7 @@ from qlens.kernels.dispatch import _weight_config
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES, _gemv_kernel
 from qlens.kernels.launch import kernel_args, kernel_constants
+from qlens.kernels.layout_view import FP8_BLOCK
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import word_view
 from qlens.kernels.runtime import interpreting
@@ -94,9 +95,10 @@ def byte_siblings_gemv_kernel(
     FAMILY: tl.constexpr, PACKED: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, ROUND_X: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """``_gemv_kernel``'s one-row program over siblings stacked along N (as above)."""
+    """``_gemv_kernel``'s one-row program over siblings stacked along N (as above); ``ROUND_X``:
+    the row read rounded to FP8 as W8A8 reads it."""
     d, s, z, g, b = _sibling_pointers(
         tl.program_id(0) * BLOCK_N, START1, START2, GROUP_N, stride_d, stride_s,
         d0, s0, z0, g0, b0, d1, s1, z1, g1, b1, d2, s2, z2, g2, b2,
@@ -105,7 +107,7 @@ def byte_siblings_gemv_kernel(
         x_ptr, d, s, z, g, b, out_ptr, out_ptr,
         1, N, K, K, stride_d, stride_s, N, 0,
         FAMILY, PACKED, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, HAS_BIAS,
-        BLOCK_N, BLOCK_K, EVEN_K, 1, LOOP_STAGES, False, INTERPRET,
+        BLOCK_N, BLOCK_K, EVEN_K, 1, LOOP_STAGES, ROUND_X, INTERPRET,
     )  # fmt: skip
 
 
@@ -125,6 +127,7 @@ class SiblingGemv:
         dtype: torch.dtype,
         has_bias: bool,
         cfg: LinearConfig,
+        round_x: bool = False,
     ) -> None:
         first = views[0]
         self.sizes = [w.n for w in views]
@@ -160,7 +163,7 @@ class SiblingGemv:
         else:
             self.launch = _BYTE_SIBLINGS.prepare(
                 grid, args, slots, self.device, **kernel_constants(first),
-                EVEN_K=first.k % cfg.block_k == 0, **common,
+                EVEN_K=first.k % cfg.block_k == 0, ROUND_X=round_x, **common,
             )  # fmt: skip
 
     def __call__(
@@ -178,10 +181,15 @@ class SiblingGemv:
 
 
 def sibling_gemv(
-    views: list[KernelWeight], dtype: torch.dtype, has_bias: bool, device: torch.device
+    views: list[KernelWeight],
+    dtype: torch.dtype,
+    has_bias: bool,
+    device: torch.device,
+    round_x: bool = False,
 ) -> SiblingGemv | str:
     """The one-launch GEMV of the sibling weights ``views`` for one row of ``dtype``, or why
-    they cannot share one (a sentence)."""
+    they cannot share one (a sentence). ``round_x``: the row is read rounded to per-token FP8
+    in the weights' K blocks, as W8A8 reads one row (``gemv.ByteGemv``; block FP8 only)."""
     if not 2 <= len(views) <= MAX_SIBLINGS:
         return f"2 to {MAX_SIBLINGS} weights share a launch, got {len(views)}"
     first = views[0]
@@ -210,10 +218,12 @@ def sibling_gemv(
         return f"one row of [{stacked.n}, {stacked.k}] takes the {cfg.path} path, not one GEMV"
     if packed_words is None and first.packed and first.k % 2:
         return "packed rows of odd length"
+    if round_x and (first.family != FP8_BLOCK or cfg.block_k % first.group_k):
+        return f"FP8-rounded rows need block FP8 weights read in whole K blocks, got {first.name}"
     for w in views:
         if w.n % cfg.block_n or w.n % first.group_n:
             return (
                 f"a weight of {w.n} rows does not start on a {cfg.block_n}-column tile and a "
                 f"{first.group_n}-row scale group"
             )
-    return SiblingGemv(views, packed_words, dtype, has_bias, cfg)
+    return SiblingGemv(views, packed_words, dtype, has_bias, cfg, round_x)

@@ -116,16 +116,18 @@ class SiblingGroup:
             b is None or b.device != x.device for b in buffers
         ):
             return None
-        if any(m.w8a8 for m in self.members):
+        w8a8 = {m.w8a8 for m in self.members}
+        if len(w8a8) > 1:  # FP8 activations for some: the numerics differ
             return None
-        plans = [m.linear_plan("weight", x) for m in self.members]
+        round_x = w8a8.pop()
+        plans = [m.linear_plan("weight", x, round_x) for m in self.members]
         views = [p.view for p in plans]
         if any(p.route != "kernel" for p in plans) or any(v is None for v in views):
             return None
         from qlens.kernels.sibling_gemv import sibling_gemv  # Triton: a launch is prepared
 
         has_bias = self.members[0].bias is not None
-        built = sibling_gemv(views, x.dtype, has_bias, x.device)  # type: ignore[arg-type]
+        built = sibling_gemv(views, x.dtype, has_bias, x.device, round_x)  # type: ignore[arg-type]
         if isinstance(built, str):
             logger.debug("%s: no shared launch: %s", self, built)
             return None

@@ -267,3 +267,22 @@ def test_siblings_share_one_launch_on_gpu(case):
         assert torch.equal(out, own(x, bias))
         alone = quantized_linear(x, p, bias)
         assert rel_err(out, alone) < TOLERANCE[torch.bfloat16]
+
+
+def test_fp8_rounded_siblings_share_one_launch_on_gpu():
+    """W8A8's q/k/v at one row: one launch reading the row rounded to FP8, each sibling equal to
+    its own rounded one-row GEMV with the shared tile."""
+    device = torch.device("cuda")
+    payloads = [
+        quantized(n, 4096, SCHEMES[0], seed=i).to("cuda") for i, n in enumerate((4096, 1024, 1024))
+    ]
+    views = [kernel_weight(p) for p in payloads]
+    shared = sibling_gemv(views, torch.bfloat16, False, device, round_x=True)
+    assert isinstance(shared, SiblingGemv), shared
+    x = (
+        torch.randn(1, 4096, device="cuda") * torch.logspace(-6, 3, 4096, device="cuda")
+    ).bfloat16()
+    for w, p, out in zip(views, payloads, shared(x, None), strict=True):
+        own = prepare_gemv(w, 1, torch.bfloat16, False, shared.config, round_x=True)
+        assert torch.equal(out, own(x, None))
+        assert rel_err(out, reference_w8a8_linear(x.double(), p)) < TOLERANCE[torch.bfloat16]

@@ -61,12 +61,12 @@ fp8_rounded_rows(torch.randn(8, 4096, dtype=torch.bfloat16), 128)
 compile_recorded("fp8-rounded rows")
 from qlens.kernels.sibling_gemv import sibling_gemv
 from qlens.kernels.weights import kernel_weight
-for scheme, options, _, _ in CASES[:4] + CASES[5:]:  # q, k and v of an 8B layer
+for scheme, options, _, w8a8 in CASES:  # q, k and v of an 8B layer
     views = [kernel_weight(quantize_weight(torch.randn(n, 4096), scheme, **options))
              for n in (4096, 1024, 1024)]
-    sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"))(
+    sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"), round_x=w8a8)(
         torch.randn(1, 4096, dtype=torch.bfloat16), None)
-    compile_recorded(f"{scheme} siblings")
+    compile_recorded(f"{scheme}{' w8a8' if w8a8 else ''} siblings")
 print(json.dumps(results))
 """
 
@@ -88,13 +88,16 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
     assert [(r["kernel"], r["round_x"]) for r in one_w8a8_row] == [("_gemv_kernel", True)]
     rounded = [r for r in results if r["case"] == "fp8-rounded rows"]
     assert [(r["kernel"], r["decoded"]) for r in rounded] == [("_act_quant_kernel", True)]
-    siblings = {r["case"]: r["kernel"] for r in results if r["case"].endswith("siblings")}
+    siblings = {
+        r["case"]: (r["kernel"], r["round_x"]) for r in results if r["case"].endswith("siblings")
+    }
     assert siblings == {
-        "int4 siblings": "packed_siblings_gemv_kernel",
-        "mxfp4 siblings": "packed_siblings_gemv_kernel",
-        "nvfp4 siblings": "packed_siblings_gemv_kernel",
-        "fp8-block siblings": "byte_siblings_gemv_kernel",
-        "int8 siblings": "byte_siblings_gemv_kernel",
+        "int4 siblings": ("packed_siblings_gemv_kernel", None),
+        "mxfp4 siblings": ("packed_siblings_gemv_kernel", None),
+        "nvfp4 siblings": ("packed_siblings_gemv_kernel", None),
+        "fp8-block siblings": ("byte_siblings_gemv_kernel", False),
+        "fp8-block w8a8 siblings": ("byte_siblings_gemv_kernel", True),
+        "int8 siblings": ("byte_siblings_gemv_kernel", False),
     }
     for result in results:
         spill_limit = KNOWN_SPILLS.get((result["case"], result["kernel"]), 0)

@@ -52,6 +52,19 @@ def test_other_activation_dtypes(dtype):
         assert torch.equal(out, prepare_gemv(w, 1, dtype, False, shared.config)(x, None))
 
 
+@pytest.mark.parametrize("case", [("fp8-block", {}), ("fp8-block", {"block_size": (32, 64)})])
+def test_fp8_rounded_rows_as_w8a8_reads_one_row(case):
+    _, views = siblings(case, (256, 128, 128))
+    x = (torch.randn(1, K) * torch.logspace(-6, 3, K)).bfloat16()
+    shared = sibling_gemv(views, torch.bfloat16, False, CPU, round_x=True)
+    assert isinstance(shared, SiblingGemv), shared
+    for w, out in zip(views, shared(x, None), strict=True):
+        own = prepare_gemv(w, 1, torch.bfloat16, False, shared.config, round_x=True)
+        assert torch.equal(out, own(x, None))
+    int4 = siblings(("int4", {"group_size": 128}), (128, 128))[1]
+    assert "need block FP8" in sibling_gemv(int4, torch.bfloat16, False, CPU, round_x=True)
+
+
 def test_outputs_are_contiguous_views_of_one_tensor():
     _, views = siblings(("fp8-block", {}), (256, 128, 128))
     outputs = sibling_gemv(views, torch.bfloat16, False, CPU)(torch.randn(1, K).bfloat16(), None)

@@ -167,14 +167,21 @@ def test_buffers_replaced_between_calls_stop_the_sharing(launches) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, _alone(attn, x), strict=True))
 
 
-def test_w8a8_siblings_launch_on_their_own(launches) -> None:
+def test_w8a8_siblings_share_only_when_all_read_fp8_rows(launches) -> None:
     mlp = _quantized("fp8-block").get_submodule("model.layers.0.mlp")
     x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         mlp.gate_proj(x), mlp.up_proj(x)
-        mlp.up_proj.w8a8 = True  # FP8 activations: another numerics than the shared GEMV
-        mlp.gate_proj(x), mlp.up_proj(x)
-    assert launches == [2]
+        mlp.up_proj.w8a8 = True  # FP8 activations for one: the numerics differ
+        mixed = [mlp.gate_proj(x), mlp.up_proj(x)]
+        assert launches == [2]
+        mlp.gate_proj.w8a8 = True
+        shared = [mlp.gate_proj(x), mlp.up_proj(x)]
+        assert launches == [2, 2]
+        ungroup_siblings(mlp)
+        alone = [mlp.gate_proj(x), mlp.up_proj(x)]
+    assert torch.equal(mixed[1], alone[1])
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
 
 
 def test_bridge_hooks_fire_on_shared_outputs(launches) -> None:
