@@ -222,6 +222,17 @@ class PackedGemv(_SplitGemv):
         return self.run(xp, bias, ids)
 
 
+def fp8_rounding_refusal(w: KernelWeight, cfg: LinearConfig) -> str | None:
+    """Why the byte-wise GEMV cannot read rows rounded to FP8 against ``w`` with ``cfg``'s
+    tile (``ROUND_X``: block FP8 weights, ``block_k`` a multiple of the K block), or None."""
+    if w.family != FP8_BLOCK or cfg.block_k % w.group_k:
+        return (
+            f"FP8-rounded rows need a block FP8 weight and block_k a multiple of its K block "
+            f"({w.group_k}); got {w.name} and block_k {cfg.block_k}"
+        )
+    return None
+
+
 class ByteGemv(_SplitGemv):
     """The byte-wise GEMV of one weight for ``m`` rows (contiguous), prepared once like
     :class:`PackedGemv`. ``round_x``: the rows are read rounded to per-token FP8 in the weight's
@@ -237,11 +248,9 @@ class ByteGemv(_SplitGemv):
         out_shape: tuple[int, ...] | None = None,
         round_x: bool = False,
     ) -> None:
-        if round_x and (w.family != FP8_BLOCK or cfg.block_k % w.group_k):
-            raise ValueError(
-                f"FP8-rounded rows need a block FP8 weight and block_k a multiple of its K block "
-                f"({w.group_k}); got {w.name} and block_k {cfg.block_k}"
-            )
+        refusal = fp8_rounding_refusal(w, cfg) if round_x else None
+        if refusal is not None:
+            raise ValueError(refusal)
         split = cfg.split_k
         self.has_bias, self.out_shape, self.dtype = has_bias, out_shape or (m, w.n), dtype
         self.partials_shape = (split, m, w.n) if split > 1 else None

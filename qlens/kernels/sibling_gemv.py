@@ -28,9 +28,8 @@ from torch import Tensor
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import _weight_config
 from qlens.kernels.fast_launch import FastLaunch
-from qlens.kernels.gemv import _TL_DTYPES, _gemv_kernel
+from qlens.kernels.gemv import _TL_DTYPES, _gemv_kernel, fp8_rounding_refusal
 from qlens.kernels.launch import kernel_args, kernel_constants
-from qlens.kernels.layout_view import FP8_BLOCK
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import word_view
 from qlens.kernels.runtime import interpreting
@@ -137,10 +136,10 @@ class SiblingGemv:
         starts = [sum(self.sizes[:i]) for i in range(1, len(views))] + [self.n] * 2
         tensors = []
         for i in range(MAX_SIBLINGS):
-            w = views[min(i, len(views) - 1)]  # an absent third sibling repeats the last one
-            data, scales, zeros, global_scale = kernel_args(w)
+            j = min(i, len(views) - 1)  # an absent third sibling repeats the last one
+            data, scales, zeros, global_scale = kernel_args(views[j])
             if words is not None:
-                data = words[min(i, len(views) - 1)]
+                data = words[j]
             tensors += [data, scales, zeros, global_scale, data]  # the bias: a per-call slot
         slot = tensors[0]
         args = (slot, *tensors, slot, self.n, self.k, tensors[0].stride(0), first.scales.stride(0))
@@ -180,6 +179,15 @@ class SiblingGemv:
         return torch.split(out, self.sizes, dim=-1)
 
 
+def _layout(w: KernelWeight) -> tuple[object, ...]:
+    """What siblings sharing a launch must share: format, ``k``, tensor dtypes, strides, device."""
+    return (
+        w.family, w.k, w.group_n, w.group_k, w.scale_e8m0, w.global_divide, w.name,
+        w.zeros is None, w.global_scale is None, w.data.dtype, w.scales.dtype,
+        w.data.stride(), w.scales.stride(), w.data.device,
+    )  # fmt: skip
+
+
 def sibling_gemv(
     views: list[KernelWeight],
     dtype: torch.dtype,
@@ -194,17 +202,7 @@ def sibling_gemv(
         return f"2 to {MAX_SIBLINGS} weights share a launch, got {len(views)}"
     first = views[0]
     for w in views[1:]:
-        same = (
-            w.family, w.k, w.group_n, w.group_k, w.scale_e8m0, w.global_divide, w.name,
-            w.zeros is None, w.global_scale is None, w.data.dtype, w.scales.dtype,
-            w.data.stride(), w.scales.stride(), w.data.device,
-        ) == (
-            first.family, first.k, first.group_n, first.group_k, first.scale_e8m0,
-            first.global_divide, first.name, first.zeros is None, first.global_scale is None,
-            first.data.dtype, first.scales.dtype, first.data.stride(), first.scales.stride(),
-            first.data.device,
-        )  # fmt: skip
-        if not same:
+        if _layout(w) != _layout(first):
             return f"{w.name} [{w.n}, {w.k}] is not laid out as {first.name} [{first.n}, {first.k}]"
         if w.zeros is not None and w.zeros.stride() != w.scales.stride():
             return "zero points are not laid out as the scales"
@@ -218,8 +216,9 @@ def sibling_gemv(
         return f"one row of [{stacked.n}, {stacked.k}] takes the {cfg.path} path, not one GEMV"
     if packed_words is None and first.packed and first.k % 2:
         return "packed rows of odd length"
-    if round_x and (first.family != FP8_BLOCK or cfg.block_k % first.group_k):
-        return f"FP8-rounded rows need block FP8 weights read in whole K blocks, got {first.name}"
+    refusal = fp8_rounding_refusal(first, cfg) if round_x else None
+    if refusal is not None:
+        return refusal
     for w in views:
         if w.n % cfg.block_n or w.n % first.group_n:
             return (
