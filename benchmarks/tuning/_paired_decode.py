@@ -17,6 +17,7 @@ from torch import nn
 
 import qlens
 from benchmarks._e2e_models import build_model, shapes
+from benchmarks._timing import header, publish
 from benchmarks.e2e_model import (
     PROMPT_TOKENS,
     Workload,
@@ -29,7 +30,7 @@ from benchmarks.e2e_model import (
 Variant = tuple[
     str, Callable[[], contextlib.AbstractContextManager[object]], Callable[[nn.Module], object]
 ]  # noqa: E501
-TABLE_HEAD = [
+_TABLE_HEAD = [
     "| shape | scheme | variant | decode vs bf16 (paired) | tok/s |",
     "|---|---|---|---|---|",
 ]
@@ -80,6 +81,16 @@ def paired_decode_rows(
         del base, base_run
         free_memory()
     return rows
+
+
+def publish_paired_decode(title: str, rows: list[str], filename: str) -> None:
+    """Print ``rows`` under ``title`` and the timing they were measured with; with ``$OUT``
+    set, also write them to ``$OUT/filename``."""
+    timing = (
+        "wall clock of 64 greedy tokens after a 32-token prompt, batch 1; ratio: median of "
+        "back-to-back bf16/quantized pairs"
+    )
+    publish(header(title, timing) + "\n".join(_TABLE_HEAD + rows), filename)
 
 
 def _seconds(run: Callable[[], None]) -> float:

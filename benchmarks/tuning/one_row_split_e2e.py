@@ -17,12 +17,11 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 
-from benchmarks._timing import header, publish
 from benchmarks.tuning._paired_decode import (
-    TABLE_HEAD,
     Variant,
     no_change,
     paired_decode_rows,
+    publish_paired_decode,
 )
 from qlens.kernels import configs
 
@@ -56,13 +55,9 @@ def main() -> None:
         ("launch table (again)", contextlib.nullcontext, no_change),
     ]
     rows = paired_decode_rows(args.sizes.split(","), [args.scheme], variants, args.repeats)
-    publish(
-        header(
-            "Eager decode with and without one-row K splits",
-            "wall clock of 64 greedy tokens after a 32-token prompt, batch 1; ratio: median of "
-            "back-to-back bf16/quantized pairs",
-        )
-        + "\n".join(TABLE_HEAD + rows),
+    publish_paired_decode(
+        "Eager decode with and without one-row K splits",
+        rows,
         "one_row_split_e2e_h200.md",
     )
 

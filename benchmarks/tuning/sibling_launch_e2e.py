@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from benchmarks._timing import header, publish
 from benchmarks.tuning._paired_decode import (
-    TABLE_HEAD,
     Variant,
     no_change,
     paired_decode_rows,
+    publish_paired_decode,
 )
 from qlens.modules.siblings import ungroup_siblings
 
@@ -40,13 +39,9 @@ def main() -> None:
     rows = paired_decode_rows(
         args.sizes.split(","), args.schemes.split(","), variants, args.repeats
     )
-    publish(
-        header(
-            "Eager decode with sibling projections sharing one launch, and without",
-            "wall clock of 64 greedy tokens after a 32-token prompt, batch 1; ratio: median of "
-            "back-to-back bf16/quantized pairs",
-        )
-        + "\n".join(TABLE_HEAD + rows),
+    publish_paired_decode(
+        "Eager decode with sibling projections sharing one launch, and without",
+        rows,
         "sibling_launch_e2e_h200.md",
     )
 
