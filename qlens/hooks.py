@@ -47,7 +47,7 @@ class HookPoint:
         self.fwd_hooks: list[HookFn] = []
         self.bwd_hooks: list[HookFn] = []
         self.ctx: dict[str, object] = {}
-        self.n_fired = 0  # forward calls since the owner last reset it
+        self.fired = False  # whether it ran since the owner last reset it
 
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, fwd={len(self.fwd_hooks)}, bwd={len(self.bwd_hooks)})"
@@ -90,7 +90,7 @@ class HookPoint:
         self.ctx.clear()
 
     def forward(self, x: Tensor) -> Tensor:
-        self.n_fired += 1
+        self.fired = True  # written, never read here: a compiled forward does not guard on it
         for fn in list(self.fwd_hooks):
             x = self._checked(fn(x, self), x, "forward")
         if self.bwd_hooks and x.requires_grad:

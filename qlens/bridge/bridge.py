@@ -111,6 +111,7 @@ class Bridge(HookSwitches, ModelAPI):
         self.adapter: Adapter = get_adapter(model)
         self._layers = resolve_layers(model, self.adapter)
         attention.register()
+        guard_compiled_graphs_on_hooks()
         a, rms = self.adapter, self.adapter.normalization_type == "RMS"
         self.embed = require_module(model, a.embed, "token embedding")
         self.pos_embed = (
@@ -221,6 +222,15 @@ class Bridge(HookSwitches, ModelAPI):
                 handle.remove()
 
     @contextlib.contextmanager
+    def hooked_model(self) -> Iterator[nn.Module]:
+        """The wrapped Hugging Face model with the active hooks attached for the block: call its
+        forward, its ``generate`` or a decode loop of your own (``qlens.StaticDecoder`` does) and
+        they fire. Leaving the block detaches them, then raises if an active hook never fired."""
+        with self._attached():
+            yield self.model
+        self._check_fired()
+
+    @contextlib.contextmanager
     def dequantized(self) -> Iterator[Bridge]:
         """Opt in, for the block, to rebuilding quantized weights in float on every weight read.
 
@@ -249,7 +259,7 @@ class Bridge(HookSwitches, ModelAPI):
         saved = {id(c): c._attn_implementation for c in configs.values()}
         switch = not active.isdisjoint(self._attention_fn_names)
         for name in active:
-            self.hook_dict[name].n_fired = 0
+            self.hook_dict[name].fired = False
         self._running = True
         try:
             for site in self._sites:
@@ -448,7 +458,7 @@ class Bridge(HookSwitches, ModelAPI):
         return out
 
     def _check_fired(self) -> None:
-        silent = [n for n, p in self.hook_dict.items() if p.is_active and not p.n_fired]
+        silent = [n for n, p in self.hook_dict.items() if p.is_active and not p.fired]
         if silent:
             raise RuntimeError(
                 f"hooks did not fire during the forward: {', '.join(silent)}. The model did not "
@@ -595,8 +605,8 @@ class Bridge(HookSwitches, ModelAPI):
             verbose=verbose,
         )
         try:
-            with self._attached():
-                generate = cast(Callable[..., Tensor], self.model.generate)
+            with self.hooked_model() as model:
+                generate = cast(Callable[..., Tensor], model.generate)
                 out = generate(
                     input_ids=tokens,
                     attention_mask=mask,
@@ -607,7 +617,6 @@ class Bridge(HookSwitches, ModelAPI):
         finally:
             if progress is not None:
                 progress.bar.close()
-        self._check_fired()
         if return_type == "str" or (return_type == "input" and isinstance(input, (str, list))):
             from_strings = isinstance(input, (str, list))
             bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
@@ -626,6 +635,20 @@ class Bridge(HookSwitches, ModelAPI):
             tokenizer.decode(row[:start].tolist() + row[start + 1 :].tolist())
             for row, start in zip(out, first_real, strict=True)
         ]
+
+
+def guard_compiled_graphs_on_hooks() -> None:
+    """Make every compiled graph record whether each module had PyTorch hooks when traced.
+
+    A bridge attaches its hooks to the model for each call only. By default dynamo does not
+    guard on a module's empty hook dicts, so a graph traced with no bridge hook active would
+    later run in place of one with the hooks, which would then silently not fire. With this
+    (process-wide) setting a change of the hook set recompiles, and returning to a hook set
+    reuses its graph; the guards cost a length check per hook dict.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
 
 
 def _require_batch_one(store: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -284,6 +284,23 @@ def test_hooks_added_before_compiling_fire_in_the_compiled_model(backend: str) -
         assert not torch.equal(bridge(ids), eager)  # the edit was real
 
 
+def test_a_compiled_model_follows_the_bridge_hooks_on_and_off() -> None:
+    """A bridge attaches its hooks per call: the graph traced without them must not run while
+    they are attached (dynamo skips guarding empty hook dicts unless told otherwise). That each
+    hook set's graph is then reused: ``test_compile_hook_guards.py``."""
+    bridge = Bridge(make_model("llama"))
+    ids = input_ids()
+    steering = [("blocks.0.hook_resid_post", lambda x, hook: x + 1.0)]
+    with torch.no_grad():
+        plain = bridge(ids)
+        with bridge.hooks(fwd_hooks=steering):
+            steered = bridge(ids)
+        bridge.model.compile(backend="eager")
+        for on in (True, False, True, False):
+            with bridge.hooks(fwd_hooks=steering if on else []):
+                assert torch.equal(bridge(ids), steered if on else plain)
+
+
 def _rerouted_fp8_holder() -> torch.nn.Sequential:
     """A transformers ``FP8Linear`` (128 -> 64, one block scale) in a holder, rerouted."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
