@@ -1,13 +1,15 @@
-"""Where compiled decode time goes, per scheme against bf16: transformers' static-cache compiled
-``generate`` (``mode="reduce-overhead"``), its wall time per token against the GPU kernel time
-per token (torch.profiler, one more ``generate``), with dynamo's graph breaks, inductor's
-CUDA-graph skips and the host events with the most self time.
+"""Where compiled decode time goes, per scheme against bf16, in two decode loops: transformers'
+static-cache compiled ``generate`` (``mode="reduce-overhead"``), which reads the device after
+every token, and ``qlens.StaticDecoder`` (the whole step in one CUDA graph, read every 16
+tokens). Per loop: the wall time per token against the GPU kernel time per token
+(torch.profiler, one more decode), with dynamo's graph breaks, inductor's CUDA-graph skips and
+the host events with the most self time.
 
 Run on a CUDA GPU from the repository root:
 ``python benchmarks/compiled_decode.py --size 8b --schemes int4,nvfp4,mxfp4,fp8-block``; prints
 markdown (and writes it to ``$OUT/compiled_decode_<size>.md`` when ``$OUT`` is set). The wall
 ratio is what a user gets; the kernel ratio is what the kernels give; the difference between
-wall and kernel time per token is the host time the generate loop does not overlap."""
+wall and kernel time per token is the host time the decode loop does not overlap."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
@@ -29,20 +32,19 @@ from benchmarks.e2e_model import (  # noqa: E402
     PROMPT_TOKENS,
     Workload,
     compiled_generate_kwargs,
-    compiled_tokens_per_s,
     decode_call,
     error_cell,
     forget_compiled,
     hf_generate,
+    static_decoder_generate,
+    tokens_per_s,
 )
 
 
-def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, Counter, Counter]:
-    """GPU kernel microseconds and kernel count of one compiled ``generate`` (after it ran
-    compiled), the microseconds per kernel name and the host's self microseconds per event."""
-    run = decode_call(
-        hf_generate(model), work, work.decode_tokens, **compiled_generate_kwargs(work)
-    )
+def kernel_profile(run: Callable[[], None]) -> tuple[float, int, Counter, Counter]:
+    """GPU kernel microseconds and kernel count of one more compiled decode ``run`` (after it
+    ran compiled), the microseconds per kernel name and the host's self microseconds per
+    event."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run()
@@ -59,24 +61,35 @@ def kernel_profile(model: torch.nn.Module, work: Workload) -> tuple[float, int, 
     return sum(by_name.values()), count, by_name, host
 
 
-def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = "library") -> dict:
-    """One row; ``graph_x="as-is"`` makes compiled one-row E2M1 GEMVs read ``x`` as it is
-    (the library regroups it in the graph), to compare the two in one run."""
+def measure(
+    scheme: str, model: torch.nn.Module, work: Workload, loop: str, graph_x: str = "library"
+) -> dict:
+    """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
+    ``qlens.StaticDecoder``; ``graph_x="as-is"`` makes compiled one-row E2M1 GEMVs read ``x``
+    as it is (the library regroups it in the graph), to compare the two in one run."""
     from torch._dynamo.utils import counters
 
     import qlens.kernels.ops as ops
 
     counters.clear()
     torch._dynamo.reset()
-    cells: dict = {"scheme": scheme if graph_x == "library" else f"{scheme} (x {graph_x})"}
+    cells: dict = {
+        "scheme": scheme if graph_x == "library" else f"{scheme} (x {graph_x})",
+        "loop": loop,
+    }
     regrouping = ops.REGROUPING_DEVICES
     if graph_x == "as-is":
         ops.REGROUPING_DEVICES = frozenset()
     try:
-        cells["tok_s"] = compiled_tokens_per_s(model, work)
+        if loop == "hf":
+            generate, kwargs = hf_generate(model), compiled_generate_kwargs(work)
+        else:
+            generate, kwargs = static_decoder_generate(model, work), {}
+        cells["tok_s"] = tokens_per_s(generate, work, True, **kwargs)
         cells["graph_breaks"] = sum(counters["graph_break"].values())
         cells["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-        kernel_us, count, by_name, host = kernel_profile(model, work)
+        run = decode_call(generate, work, work.decode_tokens, **kwargs)
+        kernel_us, count, by_name, host = kernel_profile(run)
         cells["kernel_us"] = kernel_us / work.decode_tokens
         cells["kernels"] = count / work.decode_tokens
         cells["top"] = [(name, us / work.decode_tokens) for name, us in by_name.most_common(5)]
@@ -90,22 +103,28 @@ def measure(scheme: str, model: torch.nn.Module, work: Workload, graph_x: str = 
     return cells
 
 
+LOOPS = {"hf": "transformers generate", "static": "qlens StaticDecoder"}
+
+
 def table(rows: list[dict]) -> list[str]:
-    bf16 = rows[0]
+    """Each row against bf16 decoded by the same loop."""
+    bf16 = {row["loop"]: row for row in rows if row["scheme"] == "bf16"}
     lines = [
-        "| scheme | compiled tok/s | vs bf16 | wall us/token | GPU kernel us/token | kernel "
-        "speed-up vs bf16 | kernels/token | graph breaks | cudagraph skips |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scheme | decode loop | compiled tok/s | vs bf16 | wall us/token | GPU kernel us/token "
+        "| kernel speed-up vs bf16 | kernels/token | graph breaks | cudagraph skips |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        loop = LOOPS[row["loop"]]
         if "error" in row:
-            lines.append(f"| {row['scheme']} | {row['error']} |" + " |" * 7)
+            lines.append(f"| {row['scheme']} | {loop} | {row['error']} |" + " |" * 7)
             continue
+        base = bf16.get(row["loop"], {})
         wall = 1e6 / row["tok_s"]
-        speed = row["tok_s"] / bf16["tok_s"] if "tok_s" in bf16 else float("nan")
-        kernel = bf16.get("kernel_us", float("nan")) / row["kernel_us"]
+        speed = row["tok_s"] / base["tok_s"] if "tok_s" in base else float("nan")
+        kernel = base.get("kernel_us", float("nan")) / row["kernel_us"]
         lines.append(
-            f"| {row['scheme']} | {row['tok_s']:.1f} | {speed:.2f}x | {wall:.0f} | "
+            f"| {row['scheme']} | {loop} | {row['tok_s']:.1f} | {speed:.2f}x | {wall:.0f} | "
             f"{row['kernel_us']:.0f} | {kernel:.2f}x | {row['kernels']:.0f} | "
             f"{row['graph_breaks']} | {row['cudagraph_skips']} |"
         )
@@ -115,12 +134,12 @@ def table(rows: list[dict]) -> list[str]:
             parts = [
                 f"`{name[:60]}` {us:.0f} ({us / row['kernel_us']:.0%})" for name, us in row["top"]
             ]
-            lines.append(f"- {row['scheme']}: " + "; ".join(parts))
+            lines.append(f"- {row['scheme']}, {LOOPS[row['loop']]}: " + "; ".join(parts))
     lines += ["", "Host events with the most self time per token (us, under the profiler):", ""]
     for row in rows:
         if "host" in row:
             parts = [f"`{name[:50]}` {us:.0f}" for name, us in row["host"]]
-            lines.append(f"- {row['scheme']}: " + "; ".join(parts))
+            lines.append(f"- {row['scheme']}, {LOOPS[row['loop']]}: " + "; ".join(parts))
     return lines
 
 
@@ -130,6 +149,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--schemes", default="int4,nvfp4,mxfp4,fp8-block")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--loops",
+        default="hf,static",
+        help="decode loops to time: hf (transformers' compiled generate), static "
+        "(qlens.StaticDecoder)",
+    )
     parser.add_argument(
         "--graph-x-as-is",
         action="store_true",
@@ -152,23 +177,28 @@ def main(argv: list[str] | None = None) -> str:
         repeats=args.repeats,
         compile_backend="inductor",
     )
+    loops = args.loops.split(",")
+    if not set(loops) <= set(LOOPS):
+        parser.error(f"--loops takes {', '.join(LOOPS)}, got {args.loops}")
     base = build_model(shape, device)
-    rows = [measure("bf16", base, work)]
+    rows = [measure("bf16", base, work, loop) for loop in loops]
     for scheme in args.schemes.split(","):
         model = qlens.quantize(base, scheme)
-        rows.append(measure(scheme, model, work))
+        rows += [measure(scheme, model, work, loop) for loop in loops]
         if args.graph_x_as_is and scheme in ("mxfp4", "nvfp4"):
-            rows.append(measure(scheme, model, work, graph_x="as-is"))
+            rows.append(measure(scheme, model, work, "hf", graph_x="as-is"))
         del model
         torch.cuda.empty_cache()
     text = "\n".join(
         [
             header(
                 f"Compiled static-cache decode, {shape.label}: wall time against kernel time",
-                f"transformers' compiled static-cache generate (reduce-overhead), "
-                f"{args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt, "
-                f"median of {args.repeats} after two compiling runs; kernel time: torch.profiler "
-                "over one more generate (the eager prefill's kernels included), per new token",
+                f"transformers' compiled static-cache generate (reduce-overhead) and "
+                f"qlens.StaticDecoder (inductor, CUDA graphs, the host reading the device every "
+                f"16 tokens), {args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token "
+                f"prompt, median of {args.repeats} after two compiling runs; kernel time: "
+                "torch.profiler over one more decode (the eager prefill's kernels included), "
+                "per new token",
                 ["transformers"],
             ),
             *table(rows),

@@ -12,8 +12,9 @@ transformers' loader does. Everything runs in one process, bf16 first. Per model
 - decode: eager ``bridge.generate``, ``--decode-tokens`` greedy tokens after a 32-token prompt,
   without hooks and with one steering hook adding a vector to ``blocks.{L/2}.hook_resid_post``;
 - plain HF forward and ``generate`` of the same model, for the bridge's overhead;
-- compiled decode: transformers' static-cache ``generate`` with a ``CompileConfig``
-  (``--compile-schemes``; each compile takes tens of seconds);
+- compiled decode: transformers' static-cache ``generate`` with a ``CompileConfig``, and
+  ``qlens.StaticDecoder`` (the whole step in one CUDA graph, the host reading the device every
+  16 tokens) (``--compile-schemes``; each compile takes tens of seconds);
 - ratios against bf16 and against bitsandbytes NF4.
 
 Every measurement is isolated: a failure (a compile that breaks, memory) is written into its
@@ -140,6 +141,11 @@ def measure_plain(row: Row, model: nn.Module, work: Workload, compiled: bool) ->
     if compiled:
         row.measure("compiled_decode", lambda: compiled_tokens_per_s(model, work))
         forget_compiled(model)
+        row.measure(
+            "static_decode",
+            lambda: tokens_per_s(static_decoder_generate(model, work), work, compiled=True),
+        )
+        forget_compiled(model)
 
 
 def paired_time_ratio(
@@ -195,6 +201,20 @@ def compiled_generate_kwargs(work: Workload) -> dict:
 
 def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     return tokens_per_s(hf_generate(model), work, True, **compiled_generate_kwargs(work))
+
+
+def static_decoder_generate(model: nn.Module, work: Workload) -> Callable[..., torch.Tensor]:
+    """``qlens.StaticDecoder``'s compiled decode (CUDA graphs on a GPU, the host reading the
+    device every 16 tokens) as a ``generate`` that always produces ``max_new_tokens``."""
+    from qlens.static_decode import StaticDecoder
+
+    length = work.prompt.shape[1] + work.decode_tokens
+    decoder = StaticDecoder(model, length, backend=work.compile_backend)
+
+    def generate(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
+        return decoder.generate(prompt, max_new_tokens, stop_at_eos=False)
+
+    return generate
 
 
 def forget_compiled(model: nn.Module) -> None:
@@ -383,6 +403,8 @@ COLUMNS = (
     "bridge overhead decode",
     "compiled tok/s",
     "compiled vs bf16",
+    "StaticDecoder tok/s",
+    "StaticDecoder vs bf16",
     "HF prefill vs NF4",
     "HF decode vs NF4",
     "HF prefill vs bf16, paired",
@@ -438,6 +460,8 @@ def table(rows: list[Row]) -> list[str]:
             ratio(num(c, "hf_decode"), num(c, "decode")),
             shown(c, "compiled_decode"),
             ratio(num(c, "compiled_decode"), num(bf16, "compiled_decode")),
+            shown(c, "static_decode"),
+            ratio(num(c, "static_decode"), num(bf16, "static_decode")),
             ratio(num(nf4, "hf_prefill_s"), num(c, "hf_prefill_s")),
             ratio(num(c, "hf_decode"), num(nf4, "hf_decode")),
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_prefill"),

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "BridgeConfig": "qlens.bridge",
     "HookPoint": "qlens.hooks",
     "load": "qlens.loading",
+    "StaticDecoder": "qlens.static_decode",
     "QuantFormat": "qlens.quant.formats",
     "QuantPayload": "qlens.quant.payload",
     "dequantize": "qlens.quant.dequantize",

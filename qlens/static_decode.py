@@ -1,0 +1,324 @@
+"""Token-by-token decoding through a static KV cache: each token's step (forward, choice of the
+next token, bookkeeping) runs as one compiled graph, a CUDA graph on a GPU, on tensors that keep
+their addresses, and the host waits for the device only every few tokens.
+
+transformers' ``generate`` with a static cache compiles the forward too, but reads a tensor on the
+host after every token (has every sequence ended?) and launches its logits processing around the
+graph, so the device idles while the host prepares the next step. Here the next step is queued
+while the device still runs the last one, and a compiled quantized model decodes at the speed of
+its kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from qlens.bridge import Bridge
+
+_MAX_EOS_IDS = 8  # end-of-sequence ids a decoder compares each new token with
+
+
+@dataclass
+class _DecodeState:
+    """The tensors one batch shape decodes through; their addresses never change."""
+
+    cache: Any
+    mask: Tensor  # [batch, max_length] long: 0 on left padding, 1 elsewhere
+    tokens: Tensor  # [batch, 1]: the token the next step reads
+    positions: Tensor  # [batch, 1]: its position ids
+    finished: Tensor  # [batch] bool: the row has produced an end-of-sequence token
+    out: Tensor  # [batch, max_length]: the tokens produced, in order
+    index: Tensor  # [1]: where the next produced token goes in ``out``
+    eos: Tensor  # [n] the end-of-sequence ids (-1 when there are none)
+    pad: Tensor  # []: what a finished row produces
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+
+
+class StaticDecoder:
+    """Greedy or sampled decoding of a Hugging Face causal LM (or a :class:`~qlens.Bridge`'s
+    model, with its hooks) through a static KV cache of ``max_length`` tokens.
+
+    With ``compile=True`` (the default) one decode step is compiled with ``torch.compile``
+    (``fullgraph=True``; on a GPU with inductor, ``mode="reduce-overhead"``: CUDA graphs) the
+    first time a batch size is seen, and later steps replay it; the host checks for the end of
+    every sequence once every ``sync_every`` tokens. The prompt runs eagerly. Hooks active when a
+    step is compiled are part of its graph: patching and steering hooks fire at every token;
+    hooks that store activations need ``compile=False`` (a CUDA graph reuses its outputs'
+    memory). Adding or removing hooks recompiles the step.
+
+    ``generate`` returns what ``model.generate`` returns for the same greedy call (prompt, then
+    the new tokens; rows that ended carry ``pad_token_id``; cut after the step where every row
+    has ended).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Bridge,
+        max_length: int,
+        *,
+        compile: bool = True,
+        backend: str = "inductor",
+        mode: str | None = None,
+    ) -> None:
+        self._bridge = model if isinstance(model, Bridge) else None
+        hf_model = model.model if isinstance(model, Bridge) else model
+        if not getattr(hf_model, "_can_compile_fullgraph", False):
+            raise ValueError(
+                f"{type(hf_model).__name__} does not declare support for a static KV cache "
+                "under torch.compile (transformers' _can_compile_fullgraph is False): decode "
+                "it with model.generate(...) or Bridge.generate(...) instead"
+            )
+        if max_length < 2:
+            raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
+        if not compile and (backend != "inductor" or mode is not None):
+            raise ValueError("backend and mode choose how the step compiles: pass compile=True")
+        self.model = hf_model
+        self.max_length = max_length
+        self._cache_keyword = _cache_keyword(hf_model)
+        self._compile = compile
+        self._backend = backend
+        self._mode = mode
+        self._sampling = _Sampling(False, 1.0, None)
+        self._state: _DecodeState | None = None
+        self._step: Callable[[], None] | None = None
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Int[Tensor, "batch pos"],
+        max_new_tokens: int,
+        *,
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        stop_at_eos: bool = True,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        sync_every: int = 16,
+    ) -> Int[Tensor, "batch total"]:
+        """The prompt ``input_ids`` (left-padded where ``attention_mask`` is 0) followed by up
+        to ``max_new_tokens`` new tokens; with ``stop_at_eos`` a row ends at its first
+        ``eos_token_id`` (by default the model's generation config's). A row that ended
+        produces ``pad_token_id`` (by default that config's, else the first end-of-sequence id,
+        else 0).
+        ``do_sample`` draws from the softmax of the logits over ``temperature``, among the
+        ``top_k`` most likely tokens when given. The host reads the device every ``sync_every``
+        tokens to stop once every row has ended."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                "input_ids must be integer token ids of shape [batch, pos], got "
+                f"{input_ids.dtype} of shape {list(input_ids.shape)}"
+            )
+        prompt = input_ids.shape[1]
+        if prompt + max_new_tokens > self.max_length:
+            raise ValueError(
+                f"a prompt of {prompt} tokens and {max_new_tokens} new tokens need a cache of "
+                f"{prompt + max_new_tokens}, more than this decoder's max_length="
+                f"{self.max_length}: build a StaticDecoder with a larger max_length"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {list(attention_mask.shape)}, input_ids "
+                f"{list(input_ids.shape)}: they must match"
+            )
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature must be positive to sample, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        # The compiled step reads it: dynamo recompiles when it changes.
+        self._sampling = _Sampling(do_sample, float(temperature), top_k if do_sample else None)
+        eos, pad = self._special_ids(stop_at_eos, eos_token_id, pad_token_id)
+        state, positions = self._prepare(input_ids, attention_mask, eos, pad)
+
+        hooked = self._bridge.hooked_model() if self._bridge else contextlib.nullcontext()
+        with hooked:
+            logits = self._forward(state, input_ids.to(state.mask.device), positions)
+            self._commit(state, logits)
+            produced = 1
+            step = self._compiled_step()
+            mark_step = torch.compiler.cudagraph_mark_step_begin
+            while produced < max_new_tokens:
+                if produced % sync_every == 0 and bool(state.finished.all()):
+                    break
+                mark_step()
+                step()
+                produced += 1
+            new = state.out[:, :produced].clone()
+        return torch.cat([input_ids.to(new.device), _cut_after_all_ended(new, state.eos)], dim=1)
+
+    def _special_ids(
+        self, stop_at_eos: bool, eos_token_id: int | list[int] | None, pad_token_id: int | None
+    ) -> tuple[list[int], int]:
+        """The end-of-sequence ids a row stops at (none without ``stop_at_eos``) and the pad."""
+        config = getattr(self.model, "generation_config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(config, "eos_token_id", None)
+        eos = [] if eos_token_id is None else _as_list(eos_token_id)
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = eos[0] if eos else 0
+        if not stop_at_eos:
+            return [], int(pad_token_id)
+        if len(eos) > _MAX_EOS_IDS:
+            raise ValueError(f"at most {_MAX_EOS_IDS} end-of-sequence ids are supported, got {eos}")
+        return eos, int(pad_token_id)
+
+    def _prepare(
+        self, input_ids: Tensor, attention_mask: Tensor | None, eos: list[int], pad: int
+    ) -> tuple[_DecodeState, Tensor]:
+        """The decode tensors for this batch (reused, their cache emptied, when the batch size
+        is the one last seen), filled for this prompt, and the prompt's position ids."""
+        device = _input_device(self.model)
+        batch, prompt = input_ids.shape
+        state = self._state
+        if state is None or state.mask.shape[0] != batch or state.mask.device != device:
+            state = self._state = _new_state(self.model.config, batch, self.max_length, device)
+            self._step = None  # a new batch shape compiles anew (dynamo would recompile anyway)
+        else:
+            state.cache.reset()
+        mask = (
+            torch.ones_like(input_ids, device=device)
+            if attention_mask is None
+            else attention_mask.to(device=device, dtype=torch.long)
+        )
+        state.mask.fill_(1)
+        state.mask[:, :prompt].copy_(mask)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        state.positions.copy_(positions[:, -1:])  # _commit moves it on to the first new token
+        state.finished.fill_(False)
+        state.index.fill_(0)
+        state.eos.fill_(-1)
+        state.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
+        state.pad.fill_(pad)
+        return state, positions
+
+    def _forward(self, state: _DecodeState, ids: Tensor, positions: Tensor) -> Tensor:
+        output = self.model(
+            input_ids=ids,
+            attention_mask=state.mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_keyword: state.cache},
+        )
+        return output.logits[:, -1]
+
+    def _commit(self, state: _DecodeState, logits: Tensor) -> None:
+        """Choose each row's next token from its last logits and move the state on by one."""
+        chosen = _choose(logits, self._sampling)
+        chosen = torch.where(state.finished, state.pad, chosen)
+        state.finished.logical_or_(torch.isin(chosen, state.eos))
+        state.out.index_copy_(1, state.index, chosen[:, None])
+        state.tokens.copy_(chosen[:, None])
+        state.positions.add_(1)
+        state.index.add_(1)
+
+    def _decode_step(self) -> None:
+        state = self._state
+        assert state is not None
+        self._commit(state, self._forward(state, state.tokens, state.positions))
+
+    def _compiled_step(self) -> Callable[[], None]:
+        if self._step is None:
+            if not self._compile:
+                self._step = self._decode_step
+            else:
+                mode = self._mode
+                if mode is None and self._backend == "inductor":
+                    cuda = self._state is not None and self._state.mask.device.type == "cuda"
+                    mode = "reduce-overhead" if cuda else "default"
+                self._step = torch.compile(
+                    self._decode_step, backend=self._backend, mode=mode, fullgraph=True
+                )
+        return self._step
+
+
+def _new_state(config: Any, batch: int, max_length: int, device: torch.device) -> _DecodeState:
+    from transformers import StaticCache
+
+    def buffer(*shape: int, dtype: torch.dtype = torch.long) -> Tensor:
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(tensor)
+        return tensor
+
+    return _DecodeState(
+        cache=StaticCache(config=config, max_cache_len=max_length),
+        mask=buffer(batch, max_length),
+        tokens=buffer(batch, 1),
+        positions=buffer(batch, 1),
+        finished=buffer(batch, dtype=torch.bool),
+        out=buffer(batch, max_length),
+        index=buffer(1),
+        eos=buffer(_MAX_EOS_IDS),
+        pad=buffer(),
+    )
+
+
+def _choose(logits: Tensor, sampling: _Sampling) -> Tensor:
+    """Each row's next token: the most likely one, or a draw (the exponential race: the argmax
+    of p / E with E ~ Exp(1) is distributed as p, with no host sync and no multinomial)."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def _cut_after_all_ended(new: Tensor, eos: Tensor) -> Tensor:
+    """``new`` up to and including the step at which the last row produced its first
+    end-of-sequence token, as ``generate`` stops; all of it while some row has not ended."""
+    ended = torch.isin(new, eos)
+    if not bool(ended.any(dim=1).all()):
+        return new
+    last = int(ended.int().argmax(dim=1).max())
+    return new[:, : last + 1]
+
+
+def _as_list(ids: int | list[int] | Tensor) -> list[int]:
+    if isinstance(ids, Tensor):
+        return [int(i) for i in ids.flatten()]
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """The keyword the model's forward takes its cache by (transformers renamed it)."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise ValueError(
+        f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values': it cannot "
+        "decode through a static KV cache"
+    )
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    """Where the token ids go: the input embedding's device (the first of a device map)."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if isinstance(embeddings, nn.Module):
+        return next(embeddings.parameters()).device
+    return next(model.parameters()).device
