@@ -9,6 +9,9 @@ tracing is quick), bf16 and each of ``--schemes`` (``qlens.quantize``), compiles
 alone (the compiled frame's guard manager called on the call's arguments): the best and the
 median of seven rounds of 200 checks. Also counts the guards by kind.
 
+``--hook-guards`` also guards every module's hook dicts, empty ones included, as dynamo does in a
+process that has built a ``qlens.Bridge`` (``skip_nnmodule_hook_guards = False``).
+
 Run on any machine: ``PYTHONPATH=. python benchmarks/compile_guards.py [--layers 32]``
 (``PYTHONPATH`` names the tree whose qlens is timed); prints markdown and, when ``$OUT`` is set,
 writes it to ``$OUT/compile_guards_cpu.md``.
@@ -79,8 +82,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--schemes", default="int4,nvfp4,fp8-block")
+    parser.add_argument("--hook-guards", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.hook_guards:
+        from qlens.bridge.bridge import guard_compiled_graphs_on_hooks
+
+        guard_compiled_graphs_on_hooks()
     schemes = ["bf16", *args.schemes.split(",")]
     results = {scheme: measure(scheme, args.layers) for scheme in schemes}
     shown = ("TENSOR_MATCH", "NO_TENSOR_ALIASING", "EQUALS_MATCH", "TYPE_MATCH", "DICT_CONTAINS")
@@ -93,7 +101,8 @@ def main() -> None:
         f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
         f"- timing: random-weight Llama, {args.layers} layers, hidden 256, compiled forward "
         f"(backend eager) of one token; the guard manager's check alone, best and median of "
-        f"{ROUNDS} rounds of {CHECKS}",
+        f"{ROUNDS} rounds of {CHECKS}; module hook dicts "
+        + ("guarded (as after a Bridge is built)" if args.hook_guards else "not guarded"),
         "",
         "| model | check us (best) | check us (median) | vs bf16 | guards | "
         + " | ".join(shown)

@@ -94,6 +94,7 @@ class StaticDecoder:
         self._mode = mode
         self._sampling = _Sampling(False, 1.0, None)
         self._state: _DecodeState | None = None
+        self._active_hooks = ""  # the names of the bridge hooks the next steps run with
         self._step: Callable[[], None] | None = None
 
     @torch.no_grad()
@@ -115,40 +116,17 @@ class StaticDecoder:
         to ``max_new_tokens`` new tokens; with ``stop_at_eos`` a row ends at its first
         ``eos_token_id`` (by default the model's generation config's). A row that ended
         produces ``pad_token_id`` (by default that config's, else the first end-of-sequence id,
-        else 0).
-        ``do_sample`` draws from the softmax of the logits over ``temperature``, among the
+        else 0). ``do_sample`` draws from the softmax of the logits over ``temperature``, among the
         ``top_k`` most likely tokens when given. The host reads the device every ``sync_every``
         tokens to stop once every row has ended."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                "input_ids must be integer token ids of shape [batch, pos], got "
-                f"{input_ids.dtype} of shape {list(input_ids.shape)}"
-            )
-        prompt = input_ids.shape[1]
-        if prompt + max_new_tokens > self.max_length:
-            raise ValueError(
-                f"a prompt of {prompt} tokens and {max_new_tokens} new tokens need a cache of "
-                f"{prompt + max_new_tokens}, more than this decoder's max_length="
-                f"{self.max_length}: build a StaticDecoder with a larger max_length"
-            )
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {list(attention_mask.shape)}, input_ids "
-                f"{list(input_ids.shape)}: they must match"
-            )
-        if do_sample and not temperature > 0:
-            raise ValueError(f"temperature must be positive to sample, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        _check_call(input_ids, attention_mask, max_new_tokens, self.max_length, sync_every)
+        _check_sampling(do_sample, temperature, top_k)
         # The compiled step reads it: dynamo recompiles when it changes.
         self._sampling = _Sampling(do_sample, float(temperature), top_k if do_sample else None)
         eos, pad = self._special_ids(stop_at_eos, eos_token_id, pad_token_id)
         state, positions = self._prepare(input_ids, attention_mask, eos, pad)
 
+        self._active_hooks = _active_hook_names(self._bridge)
         hooked = self._bridge.hooked_model() if self._bridge else contextlib.nullcontext()
         with hooked:
             logits = self._forward(state, input_ids.to(state.mask.device), positions)
@@ -225,7 +203,8 @@ class StaticDecoder:
 
     def _commit(self, state: _DecodeState, logits: Tensor) -> None:
         """Choose each row's next token from its last logits and move the state on by one."""
-        chosen = _choose(logits, self._sampling)
+        # Under a device map the logits come from the last device, the state is on the first.
+        chosen = _choose(logits, self._sampling).to(state.out.device)
         chosen = torch.where(state.finished, state.pad, chosen)
         state.finished.logical_or_(torch.isin(chosen, state.eos))
         state.out.index_copy_(1, state.index, chosen[:, None])
@@ -234,6 +213,8 @@ class StaticDecoder:
         state.index.add_(1)
 
     def _decode_step(self) -> None:
+        if self._active_hooks:  # dynamo guards the value it branched on: one graph per hook set
+            pass
         state = self._state
         assert state is not None
         self._commit(state, self._forward(state, state.tokens, state.positions))
@@ -251,6 +232,43 @@ class StaticDecoder:
                     self._decode_step, backend=self._backend, mode=mode, fullgraph=True
                 )
         return self._step
+
+
+def _check_call(
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    max_new_tokens: int,
+    max_length: int,
+    sync_every: int,
+) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+    if input_ids.ndim != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            "input_ids must be integer token ids of shape [batch, pos], got "
+            f"{input_ids.dtype} of shape {list(input_ids.shape)}"
+        )
+    prompt = input_ids.shape[1]
+    if prompt + max_new_tokens > max_length:
+        raise ValueError(
+            f"a prompt of {prompt} tokens and {max_new_tokens} new tokens need a cache of "
+            f"{prompt + max_new_tokens}, more than this decoder's max_length={max_length}: "
+            "build a StaticDecoder with a larger max_length"
+        )
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {list(attention_mask.shape)}, input_ids "
+            f"{list(input_ids.shape)}: they must match"
+        )
+
+
+def _check_sampling(do_sample: bool, temperature: float, top_k: int | None) -> None:
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be positive to sample, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
 
 
 def _new_state(config: Any, batch: int, max_length: int, device: torch.device) -> _DecodeState:
@@ -295,6 +313,12 @@ def _cut_after_all_ended(new: Tensor, eos: Tensor) -> Tensor:
         return new
     last = int(ended.int().argmax(dim=1).max())
     return new[:, : last + 1]
+
+
+def _active_hook_names(bridge: Bridge | None) -> str:
+    if bridge is None:
+        return ""
+    return ",".join(sorted(name for name, point in bridge.hook_dict.items() if point.is_active))
 
 
 def _as_list(ids: int | list[int] | Tensor) -> list[int]:

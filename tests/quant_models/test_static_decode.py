@@ -116,6 +116,22 @@ def test_bridge_hooks_fire_in_the_compiled_step_and_a_hook_change_picks_its_grap
         assert torch.equal(decode(on), steered if on else plain)
 
 
+def test_a_graph_traced_without_the_bridge_never_runs_its_hooks_away() -> None:
+    """Two decoders share the step's code, so dynamo's cache: the step guards the names of the
+    active hooks itself, even where dynamo does not guard empty hook dicts."""
+    model = make_model("llama")
+    bridge = Bridge(model)
+    ids = input_ids(seq=5, batch=1)
+    steering = [("blocks.0.hook_resid_post", lambda x, hook: x + 5.0)]
+    with bridge.hooks(fwd_hooks=steering):
+        steered = bridge.generate(ids, 6, stop_at_eos=False)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # dynamo's default
+        plain = StaticDecoder(model, 16, backend="eager").generate(ids, 6, stop_at_eos=False)
+        with bridge.hooks(fwd_hooks=steering):
+            got = StaticDecoder(bridge, 16, backend="eager").generate(ids, 6, stop_at_eos=False)
+    assert torch.equal(got, steered) and not torch.equal(got, plain)
+
+
 def test_hooks_that_store_activations_see_every_token_with_the_eager_step() -> None:
     bridge = Bridge(make_model("llama"))
     ids = input_ids(seq=6, batch=1)
