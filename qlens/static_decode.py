@@ -4,9 +4,8 @@ their addresses, and the host waits for the device only every few tokens.
 
 transformers' ``generate`` with a static cache compiles the forward too, but reads a tensor on the
 host after every token (has every sequence ended?) and launches its logits processing around the
-graph, so the device idles while the host prepares the next step. Here the next step is queued
-while the device still runs the last one, and a compiled quantized model decodes at the speed of
-its kernels.
+graph, so the device idles while the host prepares the next step. Here the host queues the next
+step while the device still runs the last one.
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ class StaticDecoder:
     every sequence once every ``sync_every`` tokens. The prompt runs eagerly. Hooks active when a
     step is compiled are part of its graph: patching and steering hooks fire at every token;
     hooks that store activations need ``compile=False`` (a CUDA graph reuses its outputs'
-    memory). Adding or removing hooks recompiles the step.
+    memory). Each hook set, batch size and sampling setting compiles once; returning to one
+    reuses its graph.
 
     ``generate`` returns what ``model.generate`` returns for the same greedy call (prompt, then
     the new tokens; rows that ended carry ``pad_token_id``; cut after the step where every row
