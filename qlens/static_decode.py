@@ -20,7 +20,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor, nn
 
-from qlens.bridge import Bridge
+from qlens.bridge import ActivationCache, Bridge
+from qlens.bridge.names import NamesFilter, resolve_names
+from qlens.decode_recording import DecodeRecorder
 
 _MAX_EOS_IDS = 8  # end-of-sequence ids a decoder compares each new token with
 
@@ -36,6 +38,7 @@ class _DecodeState:
     finished: Tensor  # [batch] bool: the row has produced an end-of-sequence token
     out: Tensor  # [batch, max_length]: the tokens produced, in order
     index: Tensor  # [1]: where the next produced token goes in ``out``
+    cursor: Tensor  # [1]: the position of the next token a forward processes
     eos: Tensor  # [n] the end-of-sequence ids (-1 when there are none)
     pad: Tensor  # []: what a finished row produces
 
@@ -96,6 +99,7 @@ class StaticDecoder:
         self._state: _DecodeState | None = None
         self._active_hooks = ""  # the names of the bridge hooks the next steps run with
         self._step: Callable[[], None] | None = None
+        self._recorder: DecodeRecorder | None = None
 
     @torch.no_grad()
     def generate(
@@ -130,7 +134,7 @@ class StaticDecoder:
         hooked = self._bridge.hooked_model() if self._bridge else contextlib.nullcontext()
         with hooked:
             logits = self._forward(state, input_ids.to(state.mask.device), positions)
-            self._commit(state, logits)
+            self._commit(state, logits, processed=input_ids.shape[1])
             produced = 1
             step = self._compiled_step()
             mark_step = torch.compiler.cudagraph_mark_step_begin
@@ -142,6 +146,57 @@ class StaticDecoder:
                 produced += 1
             new = state.out[:, :produced].clone()
         return torch.cat([input_ids.to(new.device), _cut_after_all_ended(new, state.eos)], dim=1)
+
+    def generate_with_cache(
+        self,
+        input_ids: Int[Tensor, "batch pos"],
+        max_new_tokens: int,
+        names_filter: NamesFilter,
+        **generate_kwargs: Any,
+    ) -> tuple[Int[Tensor, "batch total"], ActivationCache]:
+        """``generate``, recording the activations of ``names_filter`` (a name, a list or a
+        predicate, as ``Bridge.run_with_cache`` takes; None: every name it selects by default)
+        at every position the forwards read: the prompt and each new token but the last, which
+        no forward reads. The activations are ``[batch pos ...]`` over those positions, as
+        ``run_with_cache`` of the returned tokens without the last would give them
+        (``hook_pattern`` and ``hook_attn_scores``: ``[batch head pos pos]``). The step
+        writes them into buffers of ``max_length`` positions in its graph, so they record at
+        compiled speed; a decoder keeps the buffers of its last names and batch size."""
+        bridge = self._bridge
+        if bridge is None:
+            raise ValueError(
+                "recording activations needs hook points: build the decoder over a Bridge, "
+                "StaticDecoder(qlens.load(model), max_length)"
+            )
+        names = resolve_names(names_filter, bridge.hook_names)
+        recorder = self._recorder_for(names, input_ids.shape[0])
+        with bridge.hooks(fwd_hooks=recorder.hooks):
+            tokens = self.generate(input_ids, max_new_tokens, **generate_kwargs)
+        activations = recorder.activations(tokens.shape[1] - 1)
+        return tokens, ActivationCache(activations, bridge.cfg.n_layers, bridge=bridge)
+
+    def _recorder_for(self, names: list[str], batch: int) -> DecodeRecorder:
+        """The recorder of the last call when it recorded the same names for the same batch
+        size (its hooks and buffers are then part of the compiled step already)."""
+        state = self._state_for(batch)
+        recorder = self._recorder
+        if (
+            recorder is None
+            or recorder.names != tuple(names)
+            or recorder.cursor is not state.cursor
+        ):
+            recorder = self._recorder = DecodeRecorder(names, state.cursor, self.max_length)
+        return recorder
+
+    def _state_for(self, batch: int) -> _DecodeState:
+        """The decode tensors of the last call when its batch size and device were these, else
+        new ones (a new batch shape compiles anew; dynamo would recompile anyway)."""
+        device = _input_device(self.model)
+        state = self._state
+        if state is None or state.mask.shape[0] != batch or state.mask.device != device:
+            state = self._state = _new_state(self.model.config, batch, self.max_length, device)
+            self._step = None
+        return state
 
     def _special_ids(
         self, stop_at_eos: bool, eos_token_id: int | list[int] | None, pad_token_id: int | None
@@ -166,14 +221,10 @@ class StaticDecoder:
     ) -> tuple[_DecodeState, Tensor]:
         """The decode tensors for this batch (reused, their cache emptied, when the batch size
         is the one last seen), filled for this prompt, and the prompt's position ids."""
-        device = _input_device(self.model)
         batch, prompt = input_ids.shape
-        state = self._state
-        if state is None or state.mask.shape[0] != batch or state.mask.device != device:
-            state = self._state = _new_state(self.model.config, batch, self.max_length, device)
-            self._step = None  # a new batch shape compiles anew (dynamo would recompile anyway)
-        else:
-            state.cache.reset()
+        state = self._state_for(batch)
+        state.cache.reset()
+        device = state.mask.device
         mask = (
             torch.ones_like(input_ids, device=device)
             if attention_mask is None
@@ -185,6 +236,7 @@ class StaticDecoder:
         state.positions.copy_(positions[:, -1:])  # _commit moves it on to the first new token
         state.finished.fill_(False)
         state.index.fill_(0)
+        state.cursor.fill_(0)
         state.eos.fill_(-1)
         state.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
         state.pad.fill_(pad)
@@ -201,8 +253,9 @@ class StaticDecoder:
         )
         return output.logits[:, -1]
 
-    def _commit(self, state: _DecodeState, logits: Tensor) -> None:
-        """Choose each row's next token from its last logits and move the state on by one."""
+    def _commit(self, state: _DecodeState, logits: Tensor, processed: int) -> None:
+        """Choose each row's next token from its last logits and move the state on past the
+        ``processed`` tokens the forward read."""
         # Under a device map the logits come from the last device, the state is on the first.
         chosen = _choose(logits, self._sampling).to(state.out.device)
         chosen = torch.where(state.finished, state.pad, chosen)
@@ -211,13 +264,14 @@ class StaticDecoder:
         state.tokens.copy_(chosen[:, None])
         state.positions.add_(1)
         state.index.add_(1)
+        state.cursor.add_(processed)
 
     def _decode_step(self) -> None:
         if self._active_hooks:  # dynamo guards the value it branched on: one graph per hook set
             pass
         state = self._state
         assert state is not None
-        self._commit(state, self._forward(state, state.tokens, state.positions))
+        self._commit(state, self._forward(state, state.tokens, state.positions), processed=1)
 
     def _compiled_step(self) -> Callable[[], None]:
         if self._step is None:
@@ -287,6 +341,7 @@ def _new_state(config: Any, batch: int, max_length: int, device: torch.device) -
         finished=buffer(batch, dtype=torch.bool),
         out=buffer(batch, max_length),
         index=buffer(1),
+        cursor=buffer(1),
         eos=buffer(_MAX_EOS_IDS),
         pad=buffer(),
     )

@@ -98,3 +98,25 @@ def test_static_decoder_replays_cuda_graphs_with_the_tokens_of_its_eager_step(
         got = decoder.generate(ids, 12, attention_mask=mask)
         assert torch.equal(got, eager)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_static_decoder_records_in_cuda_graphs_what_its_eager_step_records() -> None:
+    from torch._dynamo.utils import counters
+
+    from qlens.bridge import Bridge
+    from qlens.static_decode import StaticDecoder
+
+    torch._dynamo.reset()
+    counters.clear()
+    bridge = quantize(Bridge(make_model("llama")), "int4").to("cuda")
+    ids = input_ids(batch=2).cuda()
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    _, eager = StaticDecoder(bridge, 32, compile=False).generate_with_cache(
+        ids, 8, names, stop_at_eos=False
+    )
+    decoder = StaticDecoder(bridge, 32)  # inductor, CUDA graphs
+    for _ in range(2):
+        _, recorded = decoder.generate_with_cache(ids, 8, names, stop_at_eos=False)
+        for name in names:  # fp32: fused elementwise ops round about 1e-7 relative apart
+            torch.testing.assert_close(recorded[name], eager[name], rtol=1e-4, atol=1e-5)
+    assert counters["inductor"]["cudagraph_skips"] == 0

@@ -1,5 +1,6 @@
 """A compiled model keeps one graph per bridge hook set: switching hooks on and off reuses them,
-and a hook's own bookkeeping recompiles nothing. Run in a fresh interpreter: the tests' type
+and a hook's own bookkeeping recompiles nothing (nor does a decoder's recording, which keeps its
+hooks and buffers from call to call). Run in a fresh interpreter: the tests' type
 checker wraps every function the bridge defines per call (its per-call hooks included) in new
 code, which a graph calling them guards on."""
 
@@ -34,6 +35,9 @@ with torch.no_grad():
 bridge = Bridge(make_model("llama"))  # not compiled: the decoder compiles its step
 decoder = StaticDecoder(bridge, 16, backend="eager")
 print("decoder", graphs(lambda: decoder.generate(ids[:1], 4, stop_at_eos=False)))
+recorded = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+print("recording", graphs(
+    lambda: decoder.generate_with_cache(ids[:1], 4, recorded, stop_at_eos=False)))
 """
 
 
@@ -47,4 +51,4 @@ def test_each_hook_set_compiles_once() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     counts = dict(line.split() for line in run.stdout.splitlines() if line.strip())
     # Two graphs, with and without the hook, over six calls that switch between them.
-    assert counts == {"model": "2", "decoder": "2"}, run.stdout
+    assert counts == {"model": "2", "decoder": "2", "recording": "2"}, run.stdout

@@ -215,3 +215,49 @@ def test_bad_calls_are_refused_with_what_to_do() -> None:
         StaticDecoder(model, 12, compile=False, backend="eager")
     with pytest.raises(ValueError, match=r"Linear does not declare support for a static KV cache"):
         StaticDecoder(torch.nn.Linear(VOCAB, VOCAB), 12)
+
+
+RECORDED = [
+    "blocks.0.hook_resid_post",
+    "blocks.1.attn.hook_q",
+    "blocks.0.attn.hook_pattern",
+    "ln_final.hook_normalized",
+]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_recorded_activations_are_those_of_run_with_cache(step: str) -> None:
+    """fp32: the static cache's attention over its masked empty slots adds zeros where
+    ``run_with_cache`` attends over the sequence alone, a rounding difference of about 1e-7
+    relative per op."""
+    bridge = quantize(Bridge(make_model("llama")), "int4")
+    ids, mask = _padded_batch()
+    direction = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(5))
+    steering = [("blocks.0.hook_mlp_out", lambda x, hook: x + direction)]
+    decoder = StaticDecoder(bridge, 24, **STEPS[step])
+    for _ in range(2):  # the second call reuses the buffers (and the compiled step)
+        with bridge.hooks(fwd_hooks=steering):
+            tokens, cache = decoder.generate_with_cache(
+                ids, 6, RECORDED, attention_mask=mask, stop_at_eos=False
+            )
+            full_mask = torch.cat([mask, torch.ones(3, 5, dtype=torch.long)], dim=1)
+            _, expected = bridge.run_with_cache(
+                tokens[:, :-1], names_filter=RECORDED, attention_mask=full_mask
+            )
+        assert tokens.shape == (3, 13)
+        real = full_mask.bool()  # left padding's positions hold whatever pads compute
+        for name in RECORDED:
+            got, want = cache[name], expected[name]
+            assert got.shape == want.shape, name
+            if name.endswith("hook_pattern"):
+                got, want = got.transpose(1, 2), want.transpose(1, 2)  # [batch query ...]
+            torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_recording_needs_a_bridge_and_known_names() -> None:
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="recording activations needs hook points"):
+        StaticDecoder(model, 16).generate_with_cache(input_ids(seq=4, batch=1), 2, RECORDED)
+    decoder = StaticDecoder(Bridge(model), 16, compile=False)
+    with pytest.raises(KeyError, match="blocks.9.hook_resid_post"):
+        decoder.generate_with_cache(input_ids(seq=4, batch=1), 2, "blocks.9.hook_resid_post")
