@@ -14,7 +14,9 @@ transformers' loader does. Everything runs in one process, bf16 first. Per model
 - plain HF forward and ``generate`` of the same model, for the bridge's overhead;
 - compiled decode: transformers' static-cache ``generate`` with a ``CompileConfig``, and
   ``qlens.StaticDecoder`` (the whole step in one CUDA graph, the host reading the device every
-  16 tokens) (``--compile-schemes``; each compile takes tens of seconds);
+  16 tokens) (``--compile-schemes``; each compile takes tens of seconds); with
+  ``--static-hooks``, ``StaticDecoder`` over the bridge with the steering hook and recording
+  every ``hook_resid_post``;
 - ratios against bf16 and against bitsandbytes NF4.
 
 Every measurement is isolated: a failure (a compile that breaks, memory) is written into its
@@ -92,6 +94,7 @@ class Workload:
     decode_tokens: int
     repeats: int
     compile_backend: str
+    static_hooks: bool = False  # also time StaticDecoder steered and recording
 
 
 def decode_call(
@@ -232,9 +235,10 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
+def measure_bridge(row: Row, model: nn.Module, work: Workload, compiled: bool) -> None:
     """Through ``qlens.load(model)``: prefill, ``run_with_cache`` of every ``hook_resid_post``,
-    eager decode without hooks and with one steering hook."""
+    eager decode without hooks and with one steering hook (and, when ``compiled`` and
+    ``work.static_hooks``, ``StaticDecoder``'s steered and recording decode)."""
     import qlens
 
     bridge = qlens.load(model)
@@ -294,6 +298,30 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload) -> None:
         "paired_steering",
         lambda: paired_time_ratio(steered_decode, plain_decode, work.repeats),
     )
+    if compiled and work.static_hooks:
+        measure_static_hooks(row, bridge, work, hooks)
+
+
+def measure_static_hooks(row: Row, bridge, work: Workload, steering: list) -> None:
+    """``qlens.StaticDecoder`` over the bridge: with the steering hook, and recording every
+    ``hook_resid_post`` (``generate_with_cache``), compiled state dropped afterwards."""
+    from qlens.static_decode import StaticDecoder
+
+    decoder = StaticDecoder(
+        bridge, work.prompt.shape[1] + work.decode_tokens, backend=work.compile_backend
+    )
+    names = [name for name in bridge.hook_names if name.endswith("hook_resid_post")]
+
+    def steered(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
+        with bridge.hooks(fwd_hooks=steering):
+            return decoder.generate(prompt, max_new_tokens, stop_at_eos=False)
+
+    def recording(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
+        return decoder.generate_with_cache(prompt, max_new_tokens, names, stop_at_eos=False)[0]
+
+    row.measure("static_steered", lambda: tokens_per_s(steered, work, compiled=True))
+    row.measure("static_recording", lambda: tokens_per_s(recording, work, compiled=True))
+    forget_compiled(bridge.model)
 
 
 def bridge_generate(bridge) -> Callable[..., torch.Tensor]:
@@ -324,7 +352,7 @@ def measure_model(
     if holder:
         with torch.no_grad():
             if bridge:
-                measure_bridge(row, holder[0], work)
+                measure_bridge(row, holder[0], work, compiled)
             measure_plain(row, holder[0], work, compiled)
             if base is not None:
                 measure_paired(row, holder[0], base, work)
@@ -361,6 +389,7 @@ def measure_shape(shape: Shape, schemes: list[str], args, device: torch.device) 
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
         compile_backend="eager" if device.type == "cpu" else "inductor",
+        static_hooks=args.static_hooks,
     )
 
     def compiles(scheme: str) -> bool:
@@ -405,6 +434,8 @@ COLUMNS = (
     "compiled vs bf16",
     "StaticDecoder tok/s",
     "StaticDecoder vs bf16",
+    "StaticDecoder steered tok/s",
+    "StaticDecoder recording resid_post tok/s",
     "HF prefill vs NF4",
     "HF decode vs NF4",
     "HF prefill vs bf16, paired",
@@ -462,6 +493,8 @@ def table(rows: list[Row]) -> list[str]:
             ratio(num(c, "compiled_decode"), num(bf16, "compiled_decode")),
             shown(c, "static_decode"),
             ratio(num(c, "static_decode"), num(bf16, "static_decode")),
+            shown(c, "static_steered"),
+            shown(c, "static_recording"),
             ratio(num(nf4, "hf_prefill_s"), num(c, "hf_prefill_s")),
             ratio(num(c, "hf_decode"), num(nf4, "hf_decode")),
             "1.00x" if row.scheme == "bf16" else paired(c, "paired_prefill"),
@@ -490,6 +523,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile-schemes",
         default=",".join(DEFAULT_COMPILE),
         help=f"rows whose compiled decode is timed, or 'all' (default {','.join(DEFAULT_COMPILE)})",
+    )
+    parser.add_argument(
+        "--static-hooks",
+        action="store_true",
+        help="compiled rows also time StaticDecoder with the steering hook and recording every "
+        "hook_resid_post (two more compiles a row)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny models, CPU allowed")
     parser.add_argument("--out", help="also write the markdown to this file")
