@@ -135,17 +135,33 @@ class StaticDecoder:
         with hooked:
             logits = self._forward(state, input_ids.to(state.mask.device), positions)
             self._commit(state, logits, processed=input_ids.shape[1])
-            produced = 1
-            step = self._compiled_step()
-            mark_step = torch.compiler.cudagraph_mark_step_begin
-            while produced < max_new_tokens:
-                if produced % sync_every == 0 and bool(state.finished.all()):
-                    break
-                mark_step()
-                step()
-                produced += 1
+            produced = self._decode(state, 1, min(2, max_new_tokens), sync_every)
+            with self._guards_checked_once():
+                produced = self._decode(state, produced, max_new_tokens, sync_every)
             new = state.out[:, :produced].clone()
         return torch.cat([input_ids.to(new.device), _cut_after_all_ended(new, state.eos)], dim=1)
+
+    def _decode(self, state: _DecodeState, produced: int, until: int, sync_every: int) -> int:
+        """Run steps until ``until`` tokens are produced or every row has ended (read every
+        ``sync_every`` tokens); returns how many are produced."""
+        step = self._compiled_step()
+        mark_step = torch.compiler.cudagraph_mark_step_begin
+        while produced < until:
+            if produced % sync_every == 0 and bool(state.finished.all()):
+                break
+            mark_step()
+            step()
+            produced += 1
+        return produced
+
+    def _guards_checked_once(self) -> contextlib.AbstractContextManager[object]:
+        """After the call's first step, which checked every guard (and compiled if needed),
+        the next steps skip the checks when no bridge hook is active: then nothing the graph
+        depends on but tensor contents changes during a call (hooks run the user's Python,
+        which may). Dynamo still tells its cached graphs apart by the guards that differ."""
+        if not self._compile or self._active_hooks:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
     def generate_with_cache(
         self,

@@ -173,10 +173,12 @@ def test_a_new_batch_size_and_a_reused_decoder_stay_exact() -> None:
         assert torch.equal(decoder.generate(ids, 6, pad_token_id=0), reference)
 
 
-def test_sampling_draws_among_the_top_k_and_top_k_one_is_greedy() -> None:
+@pytest.mark.parametrize("step", STEPS)
+def test_sampling_draws_among_the_top_k_and_top_k_one_is_greedy(step: str) -> None:
+    """Compiled, each sampling setting is its own graph, and a call picks its own."""
     model = make_model("llama")
     ids = input_ids(seq=5, batch=2)
-    decoder = StaticDecoder(model, 24, compile=False)
+    decoder = StaticDecoder(model, 24, **STEPS[step])
     greedy = decoder.generate(ids, 8, stop_at_eos=False)
     assert torch.equal(decoder.generate(ids, 8, do_sample=True, top_k=1, stop_at_eos=False), greedy)
     torch.manual_seed(0)
