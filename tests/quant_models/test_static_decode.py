@@ -9,7 +9,7 @@ import pytest
 import torch
 from beartype.roar import BeartypeCallHintViolation
 from jaxtyping import TypeCheckError
-from tiny_models import HIDDEN, VOCAB, input_ids, make_model
+from tiny_models import CONFIGS, HIDDEN, VOCAB, input_ids, make_model
 
 from qlens.bridge import Bridge
 from qlens.modules.model_quantize import quantize
@@ -47,6 +47,19 @@ def test_greedy_tokens_are_those_of_hf_generate(step: str, sync_every: int) -> N
     decoder = StaticDecoder(model, 32, **STEPS[step])
     got = decoder.generate(ids, 12, attention_mask=mask, pad_token_id=0, sync_every=sync_every)
     assert torch.equal(got, reference)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_family_decodes_compiled_as_hf_generate_does(family: str) -> None:
+    """Learned positions (GPT-2), sliding-window configs and attention sinks (GPT-OSS), and the
+    MoE families, with a left-padded row."""
+    model = make_model(family)
+    ids = input_ids(seq=6, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
+    decoder = StaticDecoder(model, 16, backend="eager")
+    assert torch.equal(decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0), reference)
 
 
 @pytest.mark.parametrize("step", STEPS)
