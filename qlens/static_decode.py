@@ -101,6 +101,18 @@ class StaticDecoder:
         self._step: Callable[[], None] | None = None
         self._recorder: DecodeRecorder | None = None
 
+    def __repr__(self) -> str:
+        if not self._compile:
+            how = "eager step"
+        else:
+            how = f"compiled step ({self._backend}" + (f", {self._mode})" if self._mode else ")")
+        over = "Bridge over " if self._bridge is not None else ""
+        batch = "no batch yet" if self._state is None else f"batch {self._state.mask.shape[0]}"
+        return (
+            f"StaticDecoder({over}{type(self.model).__name__}, max_length={self.max_length}, "
+            f"{how}, {batch})"
+        )
+
     @torch.no_grad()
     def generate(
         self,

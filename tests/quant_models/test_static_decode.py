@@ -276,3 +276,15 @@ def test_recording_needs_a_bridge_and_known_names() -> None:
     decoder = StaticDecoder(Bridge(model), 16, compile=False)
     with pytest.raises(KeyError, match="blocks.9.hook_resid_post"):
         decoder.generate_with_cache(input_ids(seq=4, batch=1), 2, "blocks.9.hook_resid_post")
+
+
+def test_the_repr_says_what_decodes_and_how() -> None:
+    decoder = StaticDecoder(Bridge(make_model("llama")), 16, backend="eager")
+    assert repr(decoder) == (
+        "StaticDecoder(Bridge over LlamaForCausalLM, max_length=16, compiled step (eager), "
+        "no batch yet)"
+    )
+    decoder.generate(input_ids(seq=4, batch=2), 2)
+    assert repr(decoder).endswith("batch 2)")
+    eager = StaticDecoder(make_model("llama"), 16, compile=False)
+    assert repr(eager) == "StaticDecoder(LlamaForCausalLM, max_length=16, eager step, no batch yet)"
