@@ -14,7 +14,7 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from jaxtyping import Int
@@ -22,7 +22,11 @@ from torch import Tensor, nn
 
 from qlens.bridge import ActivationCache, Bridge
 from qlens.bridge.names import NamesFilter, resolve_names
+from qlens.bridge.tokens import token_device
 from qlens.decode_recording import DecodeRecorder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MAX_EOS_IDS = 8  # end-of-sequence ids a decoder compares each new token with
 
@@ -423,9 +427,5 @@ def _cache_keyword(model: nn.Module) -> str:
 
 
 def _input_device(model: nn.Module) -> torch.device:
-    """Where the token ids go: the input embedding's device (the first of a device map)."""
-    get_embeddings = getattr(model, "get_input_embeddings", None)
-    embeddings = get_embeddings() if callable(get_embeddings) else None
-    if isinstance(embeddings, nn.Module):
-        return next(embeddings.parameters()).device
-    return next(model.parameters()).device
+    """Where the token ids go: ``token_device`` of the model's input embedding."""
+    return token_device(cast("PreTrainedModel", model).get_input_embeddings())

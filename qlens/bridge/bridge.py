@@ -67,6 +67,7 @@ from qlens.bridge.tokens import (
     has_bos_candidate,
     positions_from_mask,
     require_tokenizer,
+    token_device,
     tokenize,
 )
 from qlens.hooks import HookFn, HookHandle, HookPoint
@@ -381,18 +382,8 @@ class Bridge(HookSwitches, ModelAPI):
         return [tokenizer.decode(row.tolist()) for row in tokens]
 
     def _input_device(self) -> torch.device:
-        """Where token ids go: the embedding's device, or its execution device when offloaded."""
-        hf_hook = getattr(self.embed, "_hf_hook", None)
-        execution_device = getattr(hf_hook, "execution_device", None)
-        if execution_device is not None:
-            return torch.device(execution_device)
-        device = next(self.embed.parameters()).device
-        if device.type == "meta":
-            raise RuntimeError(
-                "the token embedding is on the meta device and no accelerate hook says where it "
-                "runs; load the model with its weights materialized or dispatch it with accelerate"
-            )
-        return device
+        """Where token ids go (``token_device`` of the embedding)."""
+        return token_device(self.embed)
 
     def _prepare(
         self,

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import torch
 from jaxtyping import Int
-from torch import Tensor
+from torch import Tensor, nn
 
 PaddingSide = Literal["left", "right"]
 
@@ -97,3 +97,18 @@ def default_padding_side(tokenizer: Any) -> PaddingSide:
 def positions_from_mask(mask: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
     """Position ids counting only real tokens (so padded rows match unpadded runs)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_device(embed: nn.Module) -> torch.device:
+    """Where token ids go: the embedding's device, or its execution device when offloaded."""
+    hf_hook = getattr(embed, "_hf_hook", None)
+    execution_device = getattr(hf_hook, "execution_device", None)
+    if execution_device is not None:
+        return torch.device(execution_device)
+    device = next(embed.parameters()).device
+    if device.type == "meta":
+        raise RuntimeError(
+            "the token embedding is on the meta device and no accelerate hook says where it "
+            "runs; load the model with its weights materialized or dispatch it with accelerate"
+        )
+    return device
