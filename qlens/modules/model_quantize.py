@@ -123,9 +123,10 @@ def quantize(
         before / 2**20,
         after / 2**20,
     )
-    group_siblings(model)
     if bridge is None:
+        group_siblings(model)
         return model
+    # A new Bridge groups the siblings itself.
     return type(bridge)(model, tokenizer=getattr(bridge, "tokenizer", None))
 
 
