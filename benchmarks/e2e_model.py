@@ -206,13 +206,19 @@ def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     return tokens_per_s(hf_generate(model), work, True, **compiled_generate_kwargs(work))
 
 
-def static_decoder_generate(model: nn.Module, work: Workload) -> Callable[..., torch.Tensor]:
-    """``qlens.StaticDecoder``'s compiled decode (CUDA graphs on a GPU, the host reading the
-    device every 16 tokens) as a ``generate`` that always produces ``max_new_tokens``."""
+def static_decoder(model_or_bridge, work: Workload):
+    """A ``qlens.StaticDecoder`` whose cache fits the workload's prompt and decode, compiled
+    with its backend (CUDA graphs on a GPU)."""
     from qlens.static_decode import StaticDecoder
 
     length = work.prompt.shape[1] + work.decode_tokens
-    decoder = StaticDecoder(model, length, backend=work.compile_backend)
+    return StaticDecoder(model_or_bridge, length, backend=work.compile_backend)
+
+
+def static_decoder_generate(model: nn.Module, work: Workload) -> Callable[..., torch.Tensor]:
+    """``qlens.StaticDecoder``'s compiled decode (the host reading the device every 16 tokens)
+    as a ``generate`` that always produces ``max_new_tokens``."""
+    decoder = static_decoder(model, work)
 
     def generate(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
         return decoder.generate(prompt, max_new_tokens, stop_at_eos=False)
@@ -305,11 +311,7 @@ def measure_bridge(row: Row, model: nn.Module, work: Workload, compiled: bool) -
 def measure_static_hooks(row: Row, bridge, work: Workload, steering: list) -> None:
     """``qlens.StaticDecoder`` over the bridge: with the steering hook, and recording every
     ``hook_resid_post`` (``generate_with_cache``), compiled state dropped afterwards."""
-    from qlens.static_decode import StaticDecoder
-
-    decoder = StaticDecoder(
-        bridge, work.prompt.shape[1] + work.decode_tokens, backend=work.compile_backend
-    )
+    decoder = static_decoder(bridge, work)
     names = [name for name in bridge.hook_names if name.endswith("hook_resid_post")]
 
     def steered(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
