@@ -65,8 +65,9 @@ def measure(
     scheme: str, model: torch.nn.Module, work: Workload, loop: str, graph_x: str = "library"
 ) -> dict:
     """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
-    ``qlens.StaticDecoder``; ``graph_x="as-is"`` makes compiled one-row E2M1 GEMVs read ``x``
-    as it is (the library regroups it in the graph), to compare the two in one run."""
+    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``graph_x="as-is"``
+    makes compiled one-row E2M1 GEMVs read ``x`` as it is (the library regroups it in the
+    graph), to compare the two in one run."""
     from torch._dynamo.utils import counters
 
     import qlens.kernels.ops as ops
@@ -84,7 +85,8 @@ def measure(
         if loop == "hf":
             generate, kwargs = hf_generate(model), compiled_generate_kwargs(work)
         else:
-            generate, kwargs = static_decoder_generate(model, work), {}
+            fuse = loop == "static"
+            generate, kwargs = static_decoder_generate(model, work, fuse), {}
         cells["tok_s"] = tokens_per_s(generate, work, True, **kwargs)
         cells["graph_breaks"] = sum(counters["graph_break"].values())
         cells["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
@@ -103,11 +105,16 @@ def measure(
     return cells
 
 
-LOOPS = {"hf": "transformers generate", "static": "qlens StaticDecoder"}
+LOOPS = {
+    "hf": "transformers generate",
+    "static": "qlens StaticDecoder",
+    "static-unfused": "qlens StaticDecoder, siblings unfused",
+}
 
 
 def table(rows: list[dict]) -> list[str]:
-    """Each row against bf16 decoded by the same loop."""
+    """Each row against bf16 decoded by the same loop (StaticDecoder's, unfused or not: bf16
+    has no quantized linears to fuse)."""
     bf16 = {row["loop"]: row for row in rows if row["scheme"] == "bf16"}
     lines = [
         "| scheme | decode loop | compiled tok/s | vs bf16 | wall us/token | GPU kernel us/token "
@@ -119,7 +126,7 @@ def table(rows: list[dict]) -> list[str]:
         if "error" in row:
             lines.append(f"| {row['scheme']} | {loop} | {row['error']} |" + " |" * 7)
             continue
-        base = bf16.get(row["loop"], {})
+        base = bf16.get(row["loop"], bf16.get("static", {}))
         wall = 1e6 / row["tok_s"]
         speed = row["tok_s"] / base["tok_s"] if "tok_s" in base else float("nan")
         kernel = base.get("kernel_us", float("nan")) / row["kernel_us"]
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> str:
         "--loops",
         default="hf,static",
         help="decode loops to time: hf (transformers' compiled generate), static "
-        "(qlens.StaticDecoder)",
+        "(qlens.StaticDecoder), static-unfused (its quantized siblings launched one by one)",
     )
     parser.add_argument(
         "--graph-x-as-is",
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> str:
     if not set(loops) <= set(LOOPS):
         parser.error(f"--loops takes {', '.join(LOOPS)}, got {args.loops}")
     base = build_model(shape, device)
-    rows = [measure("bf16", base, work, loop) for loop in loops]
+    rows = [measure("bf16", base, work, loop) for loop in loops if loop != "static-unfused"]
     for scheme in args.schemes.split(","):
         model = qlens.quantize(base, scheme)
         rows += [measure(scheme, model, work, loop) for loop in loops]

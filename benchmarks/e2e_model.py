@@ -206,19 +206,23 @@ def compiled_tokens_per_s(model: nn.Module, work: Workload) -> float:
     return tokens_per_s(hf_generate(model), work, True, **compiled_generate_kwargs(work))
 
 
-def static_decoder(model_or_bridge, work: Workload):
+def static_decoder(model_or_bridge, work: Workload, fuse_siblings: bool = True):
     """A ``qlens.StaticDecoder`` whose cache fits the workload's prompt and decode, compiled
     with its backend (CUDA graphs on a GPU)."""
     from qlens.static_decode import StaticDecoder
 
     length = work.prompt.shape[1] + work.decode_tokens
-    return StaticDecoder(model_or_bridge, length, backend=work.compile_backend)
+    return StaticDecoder(
+        model_or_bridge, length, backend=work.compile_backend, fuse_siblings=fuse_siblings
+    )
 
 
-def static_decoder_generate(model: nn.Module, work: Workload) -> Callable[..., torch.Tensor]:
+def static_decoder_generate(
+    model: nn.Module, work: Workload, fuse_siblings: bool = True
+) -> Callable[..., torch.Tensor]:
     """``qlens.StaticDecoder``'s compiled decode (the host reading the device every 16 tokens)
     as a ``generate`` that always produces ``max_new_tokens``."""
-    decoder = static_decoder(model, work)
+    decoder = static_decoder(model, work, fuse_siblings)
 
     def generate(prompt: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
         return decoder.generate(prompt, max_new_tokens, stop_at_eos=False)

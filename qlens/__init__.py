@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "HookPoint": "qlens.hooks",
     "load": "qlens.loading",
     "StaticDecoder": "qlens.static_decode",
+    "fusing_backend": "qlens.kernels.sibling_fusion",
     "QuantFormat": "qlens.quant.formats",
     "QuantPayload": "qlens.quant.payload",
     "dequantize": "qlens.quant.dequantize",

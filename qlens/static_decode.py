@@ -24,6 +24,7 @@ from qlens.bridge import ActivationCache, Bridge
 from qlens.bridge.names import NamesFilter, resolve_names
 from qlens.bridge.tokens import token_device
 from qlens.decode_recording import DecodeRecorder
+from qlens.kernels.sibling_fusion import fusing_backend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,7 +66,9 @@ class StaticDecoder:
     step is compiled are part of its graph: patching and steering hooks fire at every token;
     hooks that store activations need ``compile=False`` (a CUDA graph reuses its outputs'
     memory). Each hook set, batch size and sampling setting compiles once; returning to one
-    reuses its graph.
+    reuses its graph. ``fuse_siblings``: in the compiled step, the one-row quantized linears that
+    read the same row (q/k/v, gate/up) run as one launch (:func:`qlens.fusing_backend`); False
+    gives each its own.
 
     ``generate`` returns what ``model.generate`` returns for the same greedy call (prompt, then
     the new tokens; rows that ended carry ``pad_token_id``; cut after the step where every row
@@ -80,6 +83,7 @@ class StaticDecoder:
         compile: bool = True,
         backend: str = "inductor",
         mode: str | None = None,
+        fuse_siblings: bool = True,
     ) -> None:
         self._bridge = model if isinstance(model, Bridge) else None
         hf_model = model.model if isinstance(model, Bridge) else model
@@ -91,14 +95,17 @@ class StaticDecoder:
             )
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
-        if not compile and (backend != "inductor" or mode is not None):
-            raise ValueError("backend and mode choose how the step compiles: pass compile=True")
+        if not compile and (backend != "inductor" or mode is not None or not fuse_siblings):
+            raise ValueError(
+                "backend, mode and fuse_siblings choose how the step compiles: pass compile=True"
+            )
         self.model = hf_model
         self.max_length = max_length
         self._cache_keyword = _cache_keyword(hf_model)
         self._compile = compile
         self._backend = backend
         self._mode = mode
+        self._fuse_siblings = fuse_siblings
         self._sampling = _Sampling(False, 1.0, None)
         self._state: _DecodeState | None = None
         self._active_hooks = ""  # the names of the bridge hooks the next steps run with
@@ -109,7 +116,9 @@ class StaticDecoder:
         if not self._compile:
             how = "eager step"
         else:
-            how = f"compiled step ({self._backend}" + (f", {self._mode})" if self._mode else ")")
+            options = [self._backend, *([self._mode] if self._mode else [])]
+            options += [] if self._fuse_siblings else ["siblings unfused"]
+            how = f"compiled step ({', '.join(options)})"
         over = "Bridge over " if self._bridge is not None else ""
         batch = "no batch yet" if self._state is None else f"batch {self._state.mask.shape[0]}"
         return (
@@ -314,9 +323,13 @@ class StaticDecoder:
                 if mode is None and self._backend == "inductor":
                     cuda = self._state is not None and self._state.mask.device.type == "cuda"
                     mode = "reduce-overhead" if cuda else "default"
-                self._step = torch.compile(
-                    self._decode_step, backend=self._backend, mode=mode, fullgraph=True
-                )
+                if self._fuse_siblings:
+                    backend = fusing_backend(self._backend, mode)
+                    self._step = torch.compile(self._decode_step, backend=backend, fullgraph=True)
+                else:
+                    self._step = torch.compile(
+                        self._decode_step, backend=self._backend, mode=mode, fullgraph=True
+                    )
         return self._step
 
 

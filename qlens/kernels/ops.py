@@ -17,6 +17,7 @@ from torch import Tensor
 
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.op_payloads import payload_for_op
+from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import spec_from_key
 
 
@@ -50,6 +51,37 @@ def w8a8_linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | N
 
 
 w8a8_linear_op.register_fake(_linear_fake)
+
+
+@torch.library.custom_op("qlens::sibling_linear", mutates_args=())
+def sibling_linear_op(
+    x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
+) -> Tensor:
+    """``qlens::linear`` of each payload on the same ``x``, concatenated along the last dim:
+    one launch for one row (``qlens.kernels.stacked_linear``). ``specs``: the payloads' spec
+    keys, one per line; each payload's tensors follow the previous one's in ``tensors``.
+    Compiled graphs get it from ``qlens.kernels.sibling_fusion``."""
+    from qlens.kernels.stacked_linear import stacked_linear
+
+    return stacked_linear(x, _op_payloads(specs, tensors), biases)
+
+
+@sibling_linear_op.register_fake
+def _sibling_linear_fake(
+    x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
+) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(spec_from_key(s).shape[0] for s in specs.split("\n"))))
+
+
+def _op_payloads(specs: str, tensors: Sequence[Tensor]) -> list[QuantPayload]:
+    """The payloads of the spec keys ``specs`` (one per line), each taking its
+    ``tensor_names`` from ``tensors`` in turn."""
+    payloads, start = [], 0
+    for spec in specs.split("\n"):
+        count = len(spec_from_key(spec).tensor_names)
+        payloads.append(payload_for_op(spec, tensors[start : start + count]))
+        start += count
+    return payloads
 
 
 @torch.library.custom_op("qlens::linear_regrouped_row", mutates_args=())

@@ -16,8 +16,9 @@ dtypes and strides. :func:`sibling_gemv` says why when they do not (no launch is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import no_type_check
+from typing import TYPE_CHECKING, no_type_check
 
 import torch
 import triton
@@ -35,6 +36,9 @@ from qlens.kernels.packed_words import word_view
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
+
+if TYPE_CHECKING:
+    from qlens.kernels.plan import LinearPlan
 
 MAX_SIBLINGS = 3
 
@@ -170,13 +174,19 @@ class SiblingGemv:
     ) -> tuple[Tensor, ...]:
         """Each sibling's ``x @ W.T (+ bias)``, views of one output (``x``: one contiguous row
         in any leading shape; ``biases``: one per sibling when prepared with biases)."""
+        return torch.split(self.stacked(x, biases), self.sizes, dim=-1)
+
+    def stacked(
+        self, x: Float[Tensor, "*one k"], biases: Sequence[Tensor] | None
+    ) -> Float[Tensor, "*one n"]:
+        """Every sibling's product in one ``[..., n0 + n1 (+ n2)]`` tensor (see ``__call__``)."""
         out = torch.empty((*x.shape[:-1], self.n), dtype=self.dtype, device=self.device)
         if biases is None:
             self.launch(x, out)
         else:
             b = (*biases, biases[-1])
             self.launch(x, b[0], b[1], b[2], out)
-        return torch.split(out, self.sizes, dim=-1)
+        return out
 
 
 def _layout(w: KernelWeight) -> tuple[object, ...]:
@@ -226,3 +236,18 @@ def sibling_gemv(
                 f"{first.group_n}-row scale group"
             )
     return SiblingGemv(views, packed_words, dtype, has_bias, cfg, round_x)
+
+
+def plans_gemv(
+    plans: Sequence[LinearPlan],
+    dtype: torch.dtype,
+    has_bias: bool,
+    device: torch.device,
+    round_x: bool = False,
+) -> SiblingGemv | str:
+    """:func:`sibling_gemv` for the weights of these linear plans, or why they cannot share a
+    launch (a sentence; also when a plan is not on the kernel route)."""
+    views = [p.view for p in plans]
+    if any(p.route != "kernel" for p in plans):
+        return "a weight does not take the fused kernels on this device"
+    return sibling_gemv([v for v in views if v is not None], dtype, has_bias, device, round_x)

@@ -121,13 +121,10 @@ class SiblingGroup:
             return None
         round_x = w8a8.pop()
         plans = [m.linear_plan("weight", x, round_x) for m in self.members]
-        views = [p.view for p in plans]
-        if any(p.route != "kernel" for p in plans) or any(v is None for v in views):
-            return None
-        from qlens.kernels.sibling_gemv import sibling_gemv  # Triton: a launch is prepared
+        from qlens.kernels.sibling_gemv import plans_gemv  # Triton: a launch is prepared
 
         has_bias = self.members[0].bias is not None
-        built = sibling_gemv(views, x.dtype, has_bias, x.device, round_x)  # type: ignore[arg-type]
+        built = plans_gemv(plans, x.dtype, has_bias, x.device, round_x)
         if isinstance(built, str):
             logger.debug("%s: no shared launch: %s", self, built)
             return None

@@ -120,3 +120,38 @@ def test_static_decoder_records_in_cuda_graphs_what_its_eager_step_records() -> 
         for name in names:  # fp32: fused elementwise ops round about 1e-7 relative apart
             torch.testing.assert_close(recorded[name], eager[name], rtol=1e-4, atol=1e-5)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_static_decoder_fuses_sibling_linears_in_its_cuda_graphs(scheme: str, monkeypatch) -> None:
+    """One token: q/k/v and gate/up run as stacked GEMVs in the recorded graph (int4, block
+    FP8; E2M1 rows take the regrouped op and stay alone), with the tokens of the unfused step
+    (fp32: the stacked tile sums each product in another order, ~1e-7 relative)."""
+    from torch._dynamo.utils import counters
+
+    import qlens.kernels.sibling_gemv as sibling_gemv
+    from qlens.static_decode import StaticDecoder
+
+    stacked: list[int] = []
+    run = sibling_gemv.SiblingGemv.stacked
+
+    def counted(self, x, biases):  # noqa: ANN001, ANN202
+        stacked.append(len(self.sizes))
+        return run(self, x, biases)
+
+    monkeypatch.setattr(sibling_gemv.SiblingGemv, "stacked", counted)
+    torch._dynamo.reset()
+    counters.clear()
+    model = quantize(make_model("llama"), scheme).to("cuda")
+    ids = input_ids(batch=1).cuda()
+    alone = StaticDecoder(model, 32, fuse_siblings=False).generate(ids, 12)
+    assert stacked == []
+    torch._dynamo.reset()
+    fused = StaticDecoder(model, 32)
+    for _ in range(2):
+        assert torch.equal(fused.generate(ids, 12), alone)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    if scheme in ("int4", "fp8-block"):
+        assert stacked and set(stacked) <= {2, 3}
+    else:
+        assert stacked == []

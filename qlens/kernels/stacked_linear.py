@@ -1,0 +1,78 @@
+"""Several quantized linears of one row, stacked: what ``qlens::sibling_linear`` runs.
+
+A compiled graph whose one-row linears read the same row (q/k/v, gate/up) calls one op for
+them (``qlens.kernels.sibling_fusion``). On the kernel route the products come from one
+:class:`~qlens.kernels.sibling_gemv.SiblingGemv` launch, prepared on the first call and kept on
+the first payload while every payload keeps its tensors; otherwise (the torch reference route,
+weights that cannot share a launch, several rows) each linear runs as an eager call does and the
+outputs are concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from qlens.kernels.dispatch import ACTIVATION_DTYPES
+from qlens.kernels.plan import linear, plan_for
+from qlens.quant.payload import QuantPayload
+
+if TYPE_CHECKING:
+    from qlens.kernels.sibling_gemv import SiblingGemv
+
+logger = logging.getLogger(__name__)
+_KEPT = "_qlens_sibling_launches"
+
+
+def stacked_linear(
+    x: Float[Tensor, "*batch k"],
+    payloads: Sequence[QuantPayload],
+    biases: Sequence[Tensor | None],
+) -> Float[Tensor, "*batch n"]:
+    """``cat([x @ W_i.T + b_i for each payload], -1)``, in one launch where the weights allow."""
+    launch = _kept_launch(x, payloads, biases)
+    if launch is not None:
+        has_bias = biases[0] is not None
+        return launch.stacked(
+            x if x.is_contiguous() else x.contiguous(), biases if has_bias else None
+        )  # type: ignore[arg-type]  # noqa: E501
+    return torch.cat([linear(x, p, b) for p, b in zip(payloads, biases, strict=True)], dim=-1)
+
+
+def _sources(payloads: Sequence[QuantPayload]) -> tuple[object, ...]:
+    return tuple(t for p in payloads for t in (p, p.data, p.scales, p.zeros, p.global_scale))
+
+
+def _kept_launch(
+    x: Tensor, payloads: Sequence[QuantPayload], biases: Sequence[Tensor | None]
+) -> SiblingGemv | None:
+    """The shared launch for these payloads and ``x``'s device and dtype, kept on the first
+    payload, or None (each linear then runs on its own)."""
+    has_bias = biases[0] is not None
+    if (
+        x.dtype not in ACTIVATION_DTYPES
+        or x.numel() != x.shape[-1]
+        or any((b is not None) != has_bias for b in biases)
+    ):
+        return None
+    first = payloads[0]
+    kept: dict[tuple[object, ...], tuple[tuple[object, ...], SiblingGemv | None]]
+    kept = first.__dict__.setdefault(_KEPT, {})
+    key = (*map(id, payloads[1:]), x.device, x.dtype, has_bias)
+    sources = _sources(payloads)
+    entry = kept.get(key)
+    if entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True)):
+        return entry[1]
+    from qlens.kernels.sibling_gemv import plans_gemv  # Triton: a launch is prepared
+
+    built = plans_gemv([plan_for(p, x.device) for p in payloads], x.dtype, has_bias, x.device)
+    if isinstance(built, str):
+        logger.debug("no shared launch for %d linears: %s", len(payloads), built)
+    launch = None if isinstance(built, str) else built
+    kept[key] = (sources, launch)
+    return launch
