@@ -23,3 +23,19 @@ def count_kernel_route(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(plan.LinearPlan, "_kernel", counted)
     monkeypatch.setattr(plan, "reference_linear", no_fallback)
     return calls
+
+
+def count_stacked_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by the sibling count of each stacked sibling GEMV launch
+    (``SiblingGemv.stacked``, which eager groups and ``qlens::sibling_linear`` both run)."""
+    import qlens.kernels.sibling_gemv as sibling_gemv
+
+    launches: list[int] = []
+    stacked = sibling_gemv.SiblingGemv.stacked
+
+    def counted(self, x, biases):  # noqa: ANN001, ANN202
+        launches.append(len(self.sizes))
+        return stacked(self, x, biases)
+
+    monkeypatch.setattr(sibling_gemv.SiblingGemv, "stacked", counted)
+    return launches

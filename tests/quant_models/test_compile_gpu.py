@@ -127,19 +127,12 @@ def test_static_decoder_fuses_sibling_linears_in_its_cuda_graphs(scheme: str, mo
     """One token: q/k/v and gate/up run as stacked GEMVs in the recorded graph (int4, block
     FP8; E2M1 rows take the regrouped op and stay alone), with the tokens of the unfused step
     (fp32: the stacked tile sums each product in another order, ~1e-7 relative)."""
+    from kernel_route import count_stacked_launches
     from torch._dynamo.utils import counters
 
-    import qlens.kernels.sibling_gemv as sibling_gemv
     from qlens.static_decode import StaticDecoder
 
-    stacked: list[int] = []
-    run = sibling_gemv.SiblingGemv.stacked
-
-    def counted(self, x, biases):  # noqa: ANN001, ANN202
-        stacked.append(len(self.sizes))
-        return run(self, x, biases)
-
-    monkeypatch.setattr(sibling_gemv.SiblingGemv, "stacked", counted)
+    stacked = count_stacked_launches(monkeypatch)
     torch._dynamo.reset()
     counters.clear()
     model = quantize(make_model("llama"), scheme).to("cuda")

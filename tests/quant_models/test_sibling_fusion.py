@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_route import count_stacked_launches
 from tiny_models import input_ids, make_model
 from torch import fx, nn
 
 import qlens.kernels.plan as plan
-import qlens.kernels.sibling_gemv as sibling_gemv
 from qlens import StaticDecoder, fusing_backend
 from qlens.kernels import ops
 from qlens.kernels.runtime import interpreting
@@ -156,14 +156,7 @@ def test_the_fused_op_launches_once_per_group_on_the_kernel_route(scheme, monkey
     the logits of the unfused graph. Block FP8's k and v (64 rows) end inside a 128-row scale
     block: that group runs its linears one by one."""
     monkeypatch.setattr(plan, "choose_route", lambda payload, device: ("kernel", None))
-    stacked: list[int] = []
-    run = sibling_gemv.SiblingGemv.stacked
-
-    def counted(self, x, biases):  # noqa: ANN001, ANN202
-        stacked.append(len(self.sizes))
-        return run(self, x, biases)
-
-    monkeypatch.setattr(sibling_gemv.SiblingGemv, "stacked", counted)
+    stacked = count_stacked_launches(monkeypatch)
     model = quantize(make_model("llama").to(torch.bfloat16), scheme)
     token = input_ids()[:1, :1]
     with torch.no_grad():
