@@ -36,11 +36,9 @@ def stacked_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``cat([x @ W_i.T + b_i for each payload], -1)``, in one launch where the weights allow."""
     launch = _kept_launch(x, payloads, biases)
-    if launch is not None:
-        has_bias = biases[0] is not None
-        return launch.stacked(
-            x if x.is_contiguous() else x.contiguous(), biases if has_bias else None
-        )  # type: ignore[arg-type]  # noqa: E501
+    if launch is not None:  # all biases are tensors, or all None
+        present = [b for b in biases if b is not None]
+        return launch.stacked(x if x.is_contiguous() else x.contiguous(), present or None)
     return torch.cat([linear(x, p, b) for p, b in zip(payloads, biases, strict=True)], dim=-1)
 
 
