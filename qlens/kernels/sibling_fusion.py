@@ -26,7 +26,7 @@ from qlens.quant.payload_spec import spec_from_key
 
 _LINEAR = torch.ops.qlens.linear
 _LINEAR_TARGETS = frozenset({_LINEAR, _LINEAR.default})
-# Nodes that only read (an in-place method or function ends with "_"; these do not write).
+# Functions that write into a tensor without the in-place "_" suffix.
 _WRITES = frozenset({operator.setitem})
 
 
@@ -101,13 +101,13 @@ def _may_write(node: fx.Node) -> bool:
     if node.target in _WRITES:
         return True
     target = node.target
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        schema = target._schema if isinstance(target, torch._ops.OpOverload) else None
-        if schema is not None:
-            return schema.is_mutable
-        return str(target).endswith("_")
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, name)._schema.is_mutable for name in target.overloads())
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return node.op == "call_module" or name.endswith("_")
+    in_place = name.endswith("_") and not (name.startswith("__") and name != "__setitem__")
+    return node.op == "call_module" or in_place
 
 
 def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) -> None:
