@@ -70,7 +70,29 @@ def sibling_linear_op(
 def _sibling_linear_fake(
     x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
 ) -> Tensor:
-    return x.new_empty((*x.shape[:-1], sum(spec_from_key(s).shape[0] for s in specs.split("\n"))))
+    return x.new_empty((*x.shape[:-1], _stacked_width(specs)))
+
+
+@torch.library.custom_op("qlens::sibling_linear_regrouped_row", mutates_args=())
+def sibling_linear_regrouped_row_op(
+    xp: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None], dtype: torch.dtype
+) -> Tensor:
+    """``qlens::sibling_linear`` of one row of ``dtype`` given regrouped, as
+    ``qlens::linear_regrouped_row`` takes it: ``[1, n0 + n1 (+ n2)]``."""
+    from qlens.kernels.stacked_linear import stacked_regrouped_row
+
+    return stacked_regrouped_row(xp, _op_payloads(specs, tensors), biases, dtype)
+
+
+@sibling_linear_regrouped_row_op.register_fake
+def _sibling_linear_regrouped_row_fake(
+    xp: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None], dtype: torch.dtype
+) -> Tensor:
+    return xp.new_empty((1, _stacked_width(specs)), dtype=dtype)
+
+
+def _stacked_width(specs: str) -> int:
+    return sum(spec_from_key(s).shape[0] for s in specs.split("\n"))
 
 
 def _op_payloads(specs: str, tensors: Sequence[Tensor]) -> list[QuantPayload]:

@@ -3,13 +3,16 @@
 In a decode step q/k/v (and an MLP's gate/up) each multiply the same row. Eagerly a
 :class:`~qlens.modules.siblings.SiblingGroup` shares their launch; in a compiled graph
 :func:`fuse_sibling_linears` rewrites their ``qlens::linear`` nodes (dynamo's graph, before
-inductor) into one ``qlens::sibling_linear`` whose output columns the old nodes' users read.
-On the H200 the stacked GEMV streams the three or two weights in one launch instead of three
-or two, which fills the GPU better on small weights (k/v).
+inductor) into one ``qlens::sibling_linear`` whose output columns the old nodes' users read,
+and the ``qlens::linear_regrouped_row`` nodes of E2M1 rows (each reading its own regrouping of
+the row, the same computation) into one ``qlens::sibling_linear_regrouped_row`` on the first
+one's. The stacked GEMV streams the two or three weights in one launch, which fills the GPU
+better on the small ones (k and v).
 
-Nodes are fused when they read the same row node, that row is one row of a float dtype with no
-gradient (known from the trace), their payloads share a format and input width, all or none
-has a bias, and no node between the first and the last of them may write to a tensor in place.
+Nodes are fused when they read the same row (the same node, or regroupings computed alike from
+it), that row is one row of a float dtype with no gradient (known from the trace), their
+payloads share a format and input width, all or none has a bias, and no node from the first
+row read to the last linear may write to a tensor in place.
 """
 
 from __future__ import annotations
@@ -25,21 +28,36 @@ from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.quant.payload_spec import spec_from_key
 
 _LINEAR = torch.ops.qlens.linear
-_LINEAR_TARGETS = frozenset({_LINEAR, _LINEAR.default})
+_REGROUPED = torch.ops.qlens.linear_regrouped_row
+# Per target of a fusable node: its argument count and the op its siblings fuse into.
+_FUSED = {
+    _LINEAR: (4, torch.ops.qlens.sibling_linear.default),
+    _LINEAR.default: (4, torch.ops.qlens.sibling_linear.default),
+    _REGROUPED: (5, torch.ops.qlens.sibling_linear_regrouped_row.default),
+    _REGROUPED.default: (5, torch.ops.qlens.sibling_linear_regrouped_row.default),
+}
 # Functions that write into a tensor without the in-place "_" suffix.
 _WRITES = frozenset({operator.setitem})
+_SAME_VALUE_DEPTH = 8  # how far up two row nodes are compared
 
 
 def fuse_sibling_linears(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm``'s sibling one-row ``qlens::linear`` nodes into ``qlens::sibling_linear``
-    nodes (in place); the number of nodes replaced."""
+    """Rewrite ``gm``'s sibling one-row ``qlens::linear`` (and ``linear_regrouped_row``) nodes
+    into ``qlens::sibling_linear`` (``sibling_linear_regrouped_row``) nodes, in place; the
+    number of nodes replaced."""
     graph = gm.graph
-    by_row: dict[fx.Node, list[fx.Node]] = {}
+    by_row: list[tuple[fx.Node, list[fx.Node]]] = []  # a row node and the linears reading it
     for node in graph.nodes:
         if _is_one_row_linear(node):
-            by_row.setdefault(node.args[0], []).append(node)  # type: ignore[arg-type]
+            row = node.args[0]
+            assert isinstance(row, fx.Node)
+            same = next((nodes for r, nodes in by_row if _same_value(r, row)), None)
+            if same is None:
+                by_row.append((row, [node]))
+            else:
+                same.append(node)
     replaced = 0
-    for nodes in by_row.values():
+    for _, nodes in by_row:
         for group in _groups(nodes):
             order = {node: i for i, node in enumerate(graph.nodes)}  # fusing moves nodes
             if _fusable(group, order):
@@ -52,30 +70,59 @@ def fuse_sibling_linears(gm: fx.GraphModule) -> int:
 
 
 def _is_one_row_linear(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in _LINEAR_TARGETS or node.kwargs:
+    if node.op != "call_function" or node.target not in _FUSED or node.kwargs:
         return False
-    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node):
+    if len(node.args) != _FUSED[node.target][0] or not isinstance(node.args[0], fx.Node):
         return False
-    row = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
+    row = _traced(node.args[0])
+    regrouped = len(node.args) == 5  # [1, 8, words]
     return (
         isinstance(row, torch.Tensor)
         and row.dim() >= 1
         and all(isinstance(size, int) for size in row.shape)
-        and row.numel() == row.shape[-1]
+        and (row.shape[0] == 1 if regrouped else row.numel() == row.shape[-1])
         and row.dtype in ACTIVATION_DTYPES
         and not row.requires_grad
     )
 
 
+def _traced(node: fx.Node) -> object:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _same_value(a: object, b: object, depth: int = _SAME_VALUE_DEPTH) -> bool:
+    """Whether ``a`` and ``b`` are one node, or computed by the same pure calls on the same
+    nodes and constants (up to ``depth`` calls up)."""
+    if a is b:
+        return True
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+        if depth == 0 or a.op not in ("call_function", "call_method") or _may_write(a):
+            return False
+        return (
+            a.op == b.op
+            and a.target == b.target
+            and _same_value(a.args, b.args, depth - 1)
+            and _same_value(a.kwargs, b.kwargs, depth - 1)
+        )
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return False
+    return type(a) is type(b) and a == b
+
+
 def _groups(nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
-    """Runs of up to ``MAX_SIBLINGS`` nodes (in graph order) with the same format, input width
-    and bias presence."""
+    """Runs of up to ``MAX_SIBLINGS`` nodes (in graph order) of one op with the same format,
+    input width, bias presence (and output dtype)."""
     from qlens.kernels.sibling_gemv import MAX_SIBLINGS  # Triton: the launch's limit
 
     groups: dict[tuple[Any, ...], list[list[fx.Node]]] = {}
     for node in nodes:
         spec = spec_from_key(node.args[2])  # type: ignore[arg-type]
-        key = (spec.format, spec.shape[-1], node.args[3] is None)
+        key = (_FUSED[node.target][1], spec.format, spec.shape[-1], node.args[3] is None,
+               node.args[4:])  # fmt: skip
         runs = groups.setdefault(key, [[]])
         if len(runs[-1]) == MAX_SIBLINGS:
             runs.append([])
@@ -83,16 +130,22 @@ def _groups(nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
     return [run for runs in groups.values() for run in runs if len(run) > 1]
 
 
+def _weights(node: fx.Node) -> list[fx.Node]:
+    """The nodes of a linear's payload tensors and bias."""
+    tensors, bias = node.args[1], node.args[3]
+    return [*tensors, *([bias] if isinstance(bias, fx.Node) else [])]  # type: ignore[misc]
+
+
 def _fusable(group: Sequence[fx.Node], order: dict[fx.Node, int]) -> bool:
-    """Whether the group's inputs exist where its first node stands (attributes may move up)
-    and nothing between its first and last node writes in place."""
+    """Whether the later linears' weights exist where the first linear stands (attributes may
+    move up) and nothing from the first row read to the last linear writes in place."""
     first, last = order[group[0]], order[group[-1]]
     for node in group[1:]:
-        for source in node.all_input_nodes:
+        for source in _weights(node):
             if order[source] > first and source.op != "get_attr":
                 return False
-    between = [n for n in order if first < order[n] < last]
-    return not any(_may_write(n) for n in between)
+    start = min(order[node.args[0]] for node in group)  # type: ignore[index]
+    return not any(_may_write(n) for n in order if start < order[n] < last)
 
 
 def _may_write(node: fx.Node) -> bool:
@@ -113,16 +166,16 @@ def _may_write(node: fx.Node) -> bool:
 def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) -> None:
     first = group[0]
     for node in group[1:]:  # attributes read later move up to the fused node
-        for source in node.all_input_nodes:
+        for source in _weights(node):
             if order[source] > order[first]:
                 first.prepend(source)
-    row = first.args[0]
     tensors = [t for node in group for t in node.args[1]]  # type: ignore[union-attr]
     specs = "\n".join(node.args[2] for node in group)  # type: ignore[misc]
     biases = [node.args[3] for node in group]
+    fused_op = _FUSED[first.target][1]
     with graph.inserting_before(first):
         fused = graph.call_function(
-            torch.ops.qlens.sibling_linear.default, (row, tensors, specs, biases)
+            fused_op, (first.args[0], tensors, specs, biases, *first.args[4:])
         )
         fused.meta = dict(first.meta)
         start = 0
@@ -131,20 +184,39 @@ def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) 
             width = spec_from_key(node.args[2]).shape[0]  # type: ignore[arg-type]
             columns.append(graph.call_function(torch.narrow, (fused, -1, start, width)))
             start += width
+    rows = [node.args[0] for node in group[1:]]
     for node, column in zip(group, columns, strict=True):
         column.meta = dict(node.meta)
         node.replace_all_uses_with(column)
         graph.erase_node(node)
-    _drop_stale_example(fused)
+    for row in rows:  # a later linear's own regrouping of the row, now unread
+        _erase_unread(graph, row)
+    _widen_traced(fused)
 
 
-def _drop_stale_example(fused: fx.Node) -> None:
-    """The fused node's trace value is the first node's (narrower): recompute it."""
+def _erase_unread(graph: fx.Graph, node: object) -> None:
+    """Erase ``node`` if nothing reads it and it is a pure call, then its inputs likewise."""
+    if (
+        not isinstance(node, fx.Node)
+        or node.users
+        or node.op not in ("call_function", "call_method")
+    ):
+        return
+    if _may_write(node):
+        return
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for source in inputs:
+        _erase_unread(graph, source)
+
+
+def _widen_traced(fused: fx.Node) -> None:
+    """The fused node's trace value is the first node's (narrower): widen it to all columns."""
+    specs = fused.args[2].split("\n")  # type: ignore[union-attr]
+    width = sum(spec_from_key(s).shape[0] for s in specs)
     for key in ("example_value", "val"):
         value = fused.meta.get(key)
         if isinstance(value, torch.Tensor):
-            specs = fused.args[2].split("\n")  # type: ignore[union-attr]
-            width = sum(spec_from_key(s).shape[0] for s in specs)
             fused.meta[key] = value.new_empty((*value.shape[:-1], width))
 
 
