@@ -187,8 +187,8 @@ class SiblingGemv:
         return torch.split(self.stacked(x, biases), self.sizes, dim=-1)
 
     def stacked(
-        self, x: Float[Tensor, "*one k"], biases: Sequence[Tensor] | None
-    ) -> Float[Tensor, "*one n"]:
+        self, x: Float[Tensor, "..."], biases: Sequence[Tensor] | None
+    ) -> Float[Tensor, "... n"]:
         """Every sibling's product in one ``[..., n0 + n1 (+ n2)]`` tensor (see ``__call__``;
         a regrouped row ``[1, 8, words]`` gives ``[1, n]``)."""
         lead = (1,) if self.regrouped else x.shape[:-1]
