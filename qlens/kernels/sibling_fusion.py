@@ -144,8 +144,21 @@ def _fusable(group: Sequence[fx.Node], order: dict[fx.Node, int]) -> bool:
         for source in _weights(node):
             if order[source] > first and source.op != "get_attr":
                 return False
-    start = min(order[node.args[0]] for node in group)  # type: ignore[index]
+    # Rows computed alike are equal unless a write falls between their first own computation
+    # (not shared by every row) and the last linear.
+    chains = [set(_computation(node.args[0])) for node in group]  # type: ignore[arg-type]
+    own = set[fx.Node]().union(*chains) - chains[0].intersection(*chains[1:])
+    start = min(order[n] for n in own) if own else order[group[0].args[0]]  # type: ignore[index]
     return not any(_may_write(n) for n in order if start < order[n] < last)
+
+
+def _computation(row: fx.Node, depth: int = _SAME_VALUE_DEPTH) -> list[fx.Node]:
+    """``row`` and the calls that computed it, as far up as :func:`_same_value` compares."""
+    nodes = [row]
+    if depth and row.op in ("call_function", "call_method"):
+        for source in row.all_input_nodes:
+            nodes += _computation(source, depth - 1)
+    return nodes
 
 
 def _may_write(node: fx.Node) -> bool:

@@ -139,6 +139,32 @@ def test_a_row_edited_in_place_between_siblings_is_not_fused() -> None:
     assert replaced == 2 and _targets(gm) == [SIBLING_OP]
 
 
+class _AlikeRows(nn.Module):
+    """Two linears, each on its own row computed alike from ``x``, with an optional in-place
+    edit of ``x`` between the two computations."""
+
+    def __init__(self, first: QuantLinear, second: QuantLinear, edit: bool) -> None:
+        super().__init__()
+        self.first, self.second, self.edit = first, second, edit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        row = x * 2.0
+        if self.edit:
+            x.add_(1.0)
+        return torch.cat([self.first(row), self.second(x * 2.0)], dim=-1)
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_rows_computed_alike_fuse_unless_written_between(edit: bool) -> None:
+    module = _AlikeRows(_linear(32, 128), _linear(48, 128), edit)
+    x = torch.randn(1, 128)
+    gm, replaced, out = _captured(module, x)
+    assert replaced == (0 if edit else 2)
+    with torch.no_grad():
+        assert torch.equal(out, module(x))
+
+
 @pytest.mark.parametrize(
     ("second", "why"),
     [
