@@ -18,7 +18,8 @@ row read to the last linear may write to a tensor in place.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -233,21 +234,50 @@ def _widen_traced(fused: fx.Node) -> None:
             fused.meta[key] = value.new_empty((*value.shape[:-1], width))
 
 
-def fusing_backend(backend: str = "inductor", mode: str | None = None) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class FusingBackend:
     """A ``torch.compile`` backend: :func:`fuse_sibling_linears` on each graph dynamo captures,
-    then ``backend`` (``"inductor"`` with the options of ``mode``, as
-    ``torch.compile(mode=...)`` sets them, or any backend name dynamo knows)."""
+    then ``backend`` (``"inductor"`` with the options of ``mode`` and ``options``, as
+    ``torch.compile(mode=..., options=...)`` sets them, or any backend name dynamo knows).
+    ``torch.compile(model, backend=FusingBackend(), mode="reduce-overhead")`` hands its mode
+    and options over (so does transformers' ``CompileConfig(backend=...)``)."""
 
-    def compile_graph(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    backend: str = "inductor"
+    mode: str | None = None
+
+    @property
+    def __name__(self) -> str:  # what dynamo calls the backend
+        return f"qlens_fusing_{self.backend}"
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[torch.Tensor],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Any:
         fuse_sibling_linears(gm)
-        if backend == "inductor":
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
+        mode = mode or self.mode
+        if self.backend != "inductor":
+            if mode is not None or options:
+                raise ValueError(f"mode and options are inductor's; the backend is {self.backend}")
+            return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(
-                gm, example_inputs, config_patches=list_mode_options(mode or "default")
-            )
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+        patches = {**list_mode_options(mode or "default"), **(options or {})}
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
-    compile_graph.__name__ = f"qlens_fusing_{backend}"
-    return compile_graph
+    def reset(self) -> None:
+        """What ``torch._dynamo.reset()`` calls: forget the recorded CUDA graphs."""
+        if self.backend == "inductor":
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
+
+def fusing_backend(backend: str = "inductor", mode: str | None = None) -> FusingBackend:
+    """The ``torch.compile`` backend that runs the one-row quantized linears reading the same
+    row (q/k/v, gate/up) as one launch, then compiles with ``backend`` (see
+    :class:`FusingBackend`)."""
+    return FusingBackend(backend, mode)

@@ -228,7 +228,8 @@ def test_the_fused_op_launches_once_per_group_on_the_kernel_route(
     torch.testing.assert_close(fused.logits, alone.logits, rtol=2e-2, atol=2e-2)
 
 
-def test_the_static_decoder_fuses_unless_told_not_to(monkeypatch) -> None:
+def _count_fusions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by the nodes replaced each time the pass runs."""
     from qlens.kernels import sibling_fusion
 
     replaced: list[int] = []
@@ -239,6 +240,11 @@ def test_the_static_decoder_fuses_unless_told_not_to(monkeypatch) -> None:
         return replaced[-1]
 
     monkeypatch.setattr(sibling_fusion, "fuse_sibling_linears", counted)
+    return replaced
+
+
+def test_the_static_decoder_fuses_unless_told_not_to(monkeypatch) -> None:
+    replaced = _count_fusions(monkeypatch)
     model = quantize(make_model("llama"), "int4")
     ids = input_ids()[:1, :4]
     fused = StaticDecoder(model, 16, backend="eager").generate(ids, 4)
@@ -249,3 +255,26 @@ def test_the_static_decoder_fuses_unless_told_not_to(monkeypatch) -> None:
     assert replaced == [10] and "siblings unfused" in repr(decoder)
     with pytest.raises(ValueError, match="pass compile=True"):
         StaticDecoder(model, 16, compile=False, fuse_siblings=False)
+
+
+def test_transformers_static_cache_generation_takes_the_fusing_backend(monkeypatch) -> None:
+    from transformers import CompileConfig
+
+    replaced = _count_fusions(monkeypatch)
+    model = quantize(make_model("llama"), "int4")
+    ids = input_ids()[:1, :4]
+    config = CompileConfig(backend=fusing_backend("eager"), mode="default", fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+    kwargs = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        compiled = model.generate(ids, compile_config=config, **kwargs)
+        assert replaced and set(replaced) == {10}
+        assert torch.equal(compiled, model.generate(ids, **kwargs | {"cache_implementation": None}))
+
+
+def test_mode_and_options_belong_to_inductor() -> None:
+    model = quantize(make_model("llama"), "int4")
+    compiled = torch.compile(model, backend=fusing_backend("eager"), mode="reduce-overhead")
+    with torch.no_grad(), pytest.raises(Exception, match="mode and options are inductor's"):
+        compiled(input_ids()[:1, :1])
+    assert fusing_backend() == fusing_backend("inductor", None)  # equal configs compile once
