@@ -129,7 +129,7 @@ class StaticDecoder:
     @torch.no_grad()
     def generate(
         self,
-        input_ids: Int[Tensor, "batch pos"],
+        input_ids: Int[Tensor, "batch pos"] | str | list[str],
         max_new_tokens: int,
         *,
         attention_mask: Int[Tensor, "batch pos"] | None = None,
@@ -147,7 +147,10 @@ class StaticDecoder:
         produces ``pad_token_id`` (by default that config's, else the first end-of-sequence id,
         else 0). ``do_sample`` draws from the softmax of the logits over ``temperature``, among the
         ``top_k`` most likely tokens when given. The host reads the device every ``sync_every``
-        tokens to stop once every row has ended."""
+        tokens to stop once every row has ended. Over a Bridge, ``input_ids`` may be a string or
+        a list of strings, tokenized as ``bridge.to_tokens`` does and left-padded (token ids
+        come back; ``bridge.to_string`` reads them)."""
+        input_ids, attention_mask = self._token_ids(input_ids, attention_mask)
         _check_call(input_ids, attention_mask, max_new_tokens, self.max_length, sync_every)
         _check_sampling(do_sample, temperature, top_k)
         # The compiled step reads it: dynamo recompiles when it changes.
@@ -188,9 +191,22 @@ class StaticDecoder:
             return contextlib.nullcontext()
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
+    def _token_ids(
+        self, input: Tensor | str | list[str], attention_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Token ids and mask of ``input`` (strings through the Bridge's tokenizer)."""
+        if isinstance(input, Tensor):
+            return input, attention_mask
+        if self._bridge is None or not isinstance(input, str | list):
+            raise TypeError(
+                "StaticDecoder takes token ids [batch pos]; strings need a Bridge's tokenizer: "
+                f"build it over qlens.load(model) (got {type(input).__name__})"
+            )
+        return self._bridge._prepare(input, attention_mask, "left")
+
     def generate_with_cache(
         self,
-        input_ids: Int[Tensor, "batch pos"],
+        input_ids: Int[Tensor, "batch pos"] | str | list[str],
         max_new_tokens: int,
         names_filter: NamesFilter,
         **generate_kwargs: Any,
@@ -210,9 +226,13 @@ class StaticDecoder:
                 "StaticDecoder(qlens.load(model), max_length)"
             )
         names = resolve_names(names_filter, bridge.hook_names)
+        mask = generate_kwargs.pop("attention_mask", None)
+        input_ids, mask = self._token_ids(input_ids, mask)
         recorder = self._recorder_for(names, input_ids.shape[0])
         with bridge.hooks(fwd_hooks=recorder.hooks):
-            tokens = self.generate(input_ids, max_new_tokens, **generate_kwargs)
+            tokens = self.generate(
+                input_ids, max_new_tokens, attention_mask=mask, **generate_kwargs
+            )
         activations = recorder.activations(tokens.shape[1] - 1)
         return tokens, ActivationCache(activations, bridge.cfg.n_layers, bridge=bridge)
 

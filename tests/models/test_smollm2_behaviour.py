@@ -116,3 +116,21 @@ def test_zeroing_one_heads_z_changes_only_that_heads_share_of_the_output(smollm2
     moved = clean[f"blocks.{layer}.hook_attn_out"] - ablated[f"blocks.{layer}.hook_attn_out"]
     torch.testing.assert_close(moved, contribution, rtol=1e-4, atol=1e-4)
     assert (ablated_logits - clean_logits).abs().max() > 1e-3
+
+
+def test_the_static_decoder_takes_strings_as_the_bridge_generate_does(smollm2):
+    from qlens import StaticDecoder
+
+    prompts = ["The capital of France is", "Hi"]  # left-padded to one batch
+    decoder = StaticDecoder(smollm2, 32, compile=False)
+    tokens = decoder.generate(prompts, 5)
+    expected = smollm2.generate(prompts, 5, return_type="tokens")
+    assert torch.equal(tokens, expected)
+    assert smollm2.to_string(tokens[0, -5:]).startswith(" Paris")
+    assert torch.equal(
+        decoder.generate(prompts[0], 5), smollm2.generate(prompts[0], 5, return_type="tokens")
+    )
+    _, cache = decoder.generate_with_cache(prompts, 3, "blocks.0.hook_resid_post")
+    assert cache["blocks.0.hook_resid_post"].shape[:2] == (2, tokens.shape[1] - 5 + 2)
+    with pytest.raises(TypeError, match="strings need a Bridge's tokenizer"):
+        StaticDecoder(smollm2.model, 32, compile=False).generate(prompts, 5)
