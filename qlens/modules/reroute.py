@@ -116,6 +116,8 @@ def reroute_quantized_modules(
             logger.info("kept the own forward of %s (matches keep pattern %r)", name, kept)
             continue
         _reroute(module)
+        if _materialized(module):  # so a compiled graph traced before any call reads it
+            _adopted(module)
         rerouted.append(name)
         reason = problem or "forced"
         logger.info("rerouted %s (%s) through qlens: %s", name, type(module).__name__, reason)
@@ -166,6 +168,12 @@ def _first_weight(module: nn.Module) -> Tensor | None:
         if isinstance(value, Tensor):
             return value
     return None
+
+
+def _materialized(module: nn.Module) -> bool:
+    """Whether the module's own tensors hold values (none on the meta device)."""
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return bool(tensors) and not any(t.is_meta for t in tensors)
 
 
 def _reroute(module: nn.Module) -> None:

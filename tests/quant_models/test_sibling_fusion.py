@@ -46,7 +46,8 @@ def _captured(module: nn.Module, *args: torch.Tensor) -> tuple[fx.GraphModule, i
 
 
 def _targets(gm: fx.GraphModule) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes if "qlens" in str(n.target)]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [str(n.target) for n in calls if "qlens" in str(n.target)]
 
 
 @pytest.mark.parametrize("scheme", ["int4", "nvfp4", "fp8-block"])
@@ -278,3 +279,23 @@ def test_mode_and_options_belong_to_inductor() -> None:
     with torch.no_grad(), pytest.raises(Exception, match="mode and options are inductor's"):
         compiled(input_ids()[:1, :1])
     assert fusing_backend() == fusing_backend("inductor", None)  # equal configs compile once
+
+
+def test_rerouted_fp8_projections_compile_whole_before_any_call_and_fuse() -> None:
+    """transformers' FP8Linear q/k/v, rerouted: read when rerouted, so a whole-graph compile
+    before any eager call traces no value check, and the three share one op."""
+    from test_qmodel_reroute import _fp8_linear
+
+    from qlens.modules.reroute import reroute_quantized_modules
+
+    model = make_model("llama")
+    for i, layer in enumerate(model.model.layers):
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            fp8 = _fp8_linear(getattr(layer.self_attn, name), seed=10 * i + j)
+            setattr(layer.self_attn, name, fp8)
+    assert len(reroute_quantized_modules(model, force=True)) == 6
+    token = input_ids()[:1, :1]
+    gm, replaced, out = _captured(model, token)
+    assert replaced == 6 and _targets(gm) == [SIBLING_OP] * 2
+    with torch.no_grad():
+        assert torch.equal(out.logits, model(token).logits)
