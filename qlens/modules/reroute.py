@@ -6,8 +6,9 @@ the triton_kernels hub package, and torchao's int4 weights need mslk, tinygemm (
 XPU/NPU. :func:`reroute_quantized_modules` replaces the forward of such
 modules (on the instance; the module, its tensors and its path stay as they are, so hook names
 and ``save_pretrained`` are unaffected) with qlens' forward: the module is read into payloads by
-``qlens.quant.adopt.adopt_module`` and each matmul runs on qlens' Triton kernel or its torch
-reference. Rerouting is always logged (a WARNING summary, one INFO line per module): the
+``qlens.quant.adopt.adopt_module`` (when rerouted, or at its first call if its tensors are still
+on the meta device; again whenever they change) and each matmul runs on qlens' Triton kernel or
+its torch reference. Rerouting is always logged (a WARNING summary, one INFO line per module): the
 numerics become those of a weight-only matmul on the exact dequantized weight (static FP8
 activation scales, for instance, are not applied; ``qlens.set_w8a8`` has block-FP8 linears
 quantize their activations per token and K block, as ``FP8Linear`` does on a GPU).

@@ -318,7 +318,7 @@ def _rerouted_fp8_holder() -> torch.nn.Sequential:
 def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
     holder = _rerouted_fp8_holder()
     x = torch.randn(2, 128)
-    compiled = torch.compile(holder, backend="aot_eager")(x)
+    compiled = torch.compile(holder, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(compiled, holder(x))
 
 
