@@ -10,10 +10,10 @@ import io
 
 import pytest
 import torch
+from kernel_route import count_stacked_launches
 from tiny_models import input_ids, make_model
 
 import qlens.kernels.plan as plan
-import qlens.kernels.sibling_gemv as sibling_gemv
 from qlens.bridge import Bridge
 from qlens.kernels.runtime import interpreting
 from qlens.modules import QuantLinear
@@ -29,15 +29,7 @@ pytestmark = pytest.mark.skipif(
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The kernel route for every payload, and a list that grows by one per shared launch."""
     monkeypatch.setattr(plan, "choose_route", lambda payload, device: ("kernel", None))
-    shared: list[int] = []
-    call = sibling_gemv.SiblingGemv.__call__
-
-    def counted(self, x, biases):  # noqa: ANN001, ANN202
-        shared.append(len(self.sizes))
-        return call(self, x, biases)
-
-    monkeypatch.setattr(sibling_gemv.SiblingGemv, "__call__", counted)
-    return shared
+    return count_stacked_launches(monkeypatch)
 
 
 def _quantized(scheme: str = "int4", family: str = "llama") -> torch.nn.Module:
