@@ -6,13 +6,20 @@ from jaxtyping import Float
 from torch import Tensor
 
 
+def regrouped_strides(k: int) -> tuple[int, int]:
+    """The row and code-position strides of rows of ``k`` values regrouped by
+    :func:`permute_codes` (``[m, 8, words]``, words padded to a multiple of four)."""
+    words = -(-k // 32) * 4
+    return 8 * words, words
+
+
 def permute_codes(x: Float[Tensor, "m k"], *, for_dot: bool) -> Float[Tensor, "m 8 words"]:
     """``x`` regrouped for the packed GEMV by code position: ``out[m, j, w] = x[m, 8 * w + j]``
     (zero-padded to a multiple of four words), so that code ``j`` of consecutive words is
     contiguous and the kernel reads it with wide loads in the words' own layout. float32 for
     the FMA kernel, ``x``'s dtype for the tensor-core kernel."""
     m, k = x.shape
-    words = -(-k // 32) * 4
+    _, words = regrouped_strides(k)
     padded = torch.nn.functional.pad(x, (0, words * 8 - k)) if k % 32 else x
     grouped = padded.view(m, words, 8).transpose(1, 2)
     if for_dot or x.dtype == torch.float32:

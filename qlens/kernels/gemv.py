@@ -19,7 +19,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.code_order import permute_codes
+from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
@@ -177,8 +177,7 @@ class PackedGemv(_SplitGemv):
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
         self.regroup = use_dot or (not x_as_is and w.family != INT4)
         if self.regroup:
-            n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [m, 8, n_words]
-            stride_xm, stride_xj = 8 * n_words, n_words
+            stride_xm, stride_xj = regrouped_strides(w.k)
         else:  # x as it is: [m, k] row-major
             stride_xm, stride_xj = w.k, 1
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words

@@ -24,7 +24,7 @@ import triton.language as tl
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.code_order import permute_codes
+from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES
@@ -207,8 +207,7 @@ class GroupedExperts:
         cfg = cfg if cfg is not None else grouped_config(rows, num_experts, w.n, packed=w.packed)
         data, scales, zeros, global_scale = dot_kernel_args(w)
         if words is not None:
-            n_words = ceil_div(w.k, 32) * 4  # permute_codes' layout: [rows, 8, n_words]
-            data, stride_xm, stride_xj = words, 8 * n_words, n_words
+            data, (stride_xm, stride_xj) = words, regrouped_strides(w.k)
         else:
             stride_xm, stride_xj = w.k, 1
         self.packed, self.num_experts = words is not None, num_experts

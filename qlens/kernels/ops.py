@@ -70,7 +70,7 @@ def sibling_linear_op(
 def _sibling_linear_fake(
     x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
 ) -> Tensor:
-    return x.new_empty((*x.shape[:-1], _stacked_width(specs)))
+    return x.new_empty((*x.shape[:-1], stacked_width(specs)))
 
 
 @torch.library.custom_op("qlens::sibling_linear_regrouped_row", mutates_args=())
@@ -88,10 +88,11 @@ def sibling_linear_regrouped_row_op(
 def _sibling_linear_regrouped_row_fake(
     xp: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None], dtype: torch.dtype
 ) -> Tensor:
-    return xp.new_empty((1, _stacked_width(specs)), dtype=dtype)
+    return xp.new_empty((1, stacked_width(specs)), dtype=dtype)
 
 
-def _stacked_width(specs: str) -> int:
+def stacked_width(specs: str) -> int:
+    """The output width of the sibling ops for these spec keys (one per line)."""
     return sum(spec_from_key(s).shape[0] for s in specs.split("\n"))
 
 

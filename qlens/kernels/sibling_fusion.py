@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
+from qlens.kernels.ops import stacked_width
 from qlens.quant.payload_spec import spec_from_key
 
 _LINEAR = torch.ops.qlens.linear
@@ -226,8 +227,7 @@ def _erase_unread(graph: fx.Graph, node: object) -> None:
 
 def _widen_traced(fused: fx.Node) -> None:
     """The fused node's trace value is the first node's (narrower): widen it to all columns."""
-    specs = fused.args[2].split("\n")  # type: ignore[union-attr]
-    width = sum(spec_from_key(s).shape[0] for s in specs)
+    width = stacked_width(fused.args[2])  # type: ignore[arg-type]
     for key in ("example_value", "val"):
         value = fused.meta.get(key)
         if isinstance(value, torch.Tensor):

@@ -26,6 +26,7 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.code_order import regrouped_strides
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import _weight_config
 from qlens.kernels.fast_launch import FastLaunch
@@ -154,8 +155,7 @@ class SiblingGemv:
             tensors += [data, scales, zeros, global_scale, data]  # the bias: a per-call slot
         slot = tensors[0]
         args = (slot, *tensors, slot, self.n, self.k, tensors[0].stride(0), first.scales.stride(0))
-        n_words = -(-self.k // 32) * 4  # permute_codes' padded words
-        x_strides = (8 * n_words, n_words) if regrouped else (self.k, 1)
+        x_strides = regrouped_strides(self.k) if regrouped else (self.k, 1)
         bias_slots = [5, 10, 15] if has_bias else []
         slots = [0, *bias_slots, 16]
         grid = (ceil_div(self.n, cfg.block_n), 1, 1)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.plan import linear, plan_for
+from qlens.kernels.weights import payload_sources
 from qlens.quant.payload import QuantPayload
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _present(biases: Sequence[Tensor | None]) -> list[Tensor] | None:
 
 
 def _sources(payloads: Sequence[QuantPayload]) -> tuple[object, ...]:
-    return tuple(t for p in payloads for t in (p, p.data, p.scales, p.zeros, p.global_scale))
+    return tuple(t for p in payloads for t in (p, *payload_sources(p)))
 
 
 def _kept_launch(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from qlens.kernels.formats import fused_kernel_formats, kernel_families, kernel_support
 from qlens.kernels.layout_view import KernelWeight
 from qlens.quant.payload import QuantPayload
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 T = TypeVar("T")
 
@@ -26,6 +29,11 @@ def _reason(payload: QuantPayload) -> str | None:
     return None
 
 
+def payload_sources(payload: QuantPayload) -> tuple[Tensor | None, ...]:
+    """The tensors a value kept on ``payload`` was built from (compared by identity)."""
+    return (payload.data, payload.scales, payload.zeros, payload.global_scale)
+
+
 def cached_on_payload(
     payload: QuantPayload,
     name: str,
@@ -35,7 +43,7 @@ def cached_on_payload(
     """``build(payload)``, kept on the payload under ``name`` and returned again while its tensors
     are the same objects and its format, shape and layout are unchanged. Errors, and values
     that ``keep`` refuses, are not kept."""
-    sources = (payload.data, payload.scales, payload.zeros, payload.global_scale)
+    sources = payload_sources(payload)
     attr = f"_qlens_{name}"
     cached = payload.__dict__.get(attr)
     if cached is not None:
