@@ -18,7 +18,7 @@ from torch import Tensor
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.op_payloads import payload_for_op
 from qlens.quant.payload import QuantPayload
-from qlens.quant.payload_spec import spec_from_key
+from qlens.quant.payload_spec import spec_from_key, split_keys
 
 
 @torch.library.custom_op("qlens::linear", mutates_args=())
@@ -59,8 +59,8 @@ def sibling_linear_op(
 ) -> Tensor:
     """``qlens::linear`` of each payload on the same ``x``, concatenated along the last dim:
     one launch for one row (``qlens.kernels.stacked_linear``). ``specs``: the payloads' spec
-    keys, one per line; each payload's tensors follow the previous one's in ``tensors``.
-    Compiled graphs get it from ``qlens.kernels.sibling_fusion``."""
+    keys, joined by ``joined_keys``; each payload's tensors follow the previous one's in
+    ``tensors``. Compiled graphs get it from ``qlens.kernels.sibling_fusion``."""
     from qlens.kernels.stacked_linear import stacked_linear
 
     return stacked_linear(x, _op_payloads(specs, tensors), biases)
@@ -92,15 +92,15 @@ def _sibling_linear_regrouped_row_fake(
 
 
 def stacked_width(specs: str) -> int:
-    """The output width of the sibling ops for these spec keys (one per line)."""
-    return sum(spec_from_key(s).shape[0] for s in specs.split("\n"))
+    """The output width of the sibling ops for these joined spec keys."""
+    return sum(spec_from_key(s).shape[0] for s in split_keys(specs))
 
 
 def _op_payloads(specs: str, tensors: Sequence[Tensor]) -> list[QuantPayload]:
-    """The payloads of the spec keys ``specs`` (one per line), each taking its
-    ``tensor_names`` from ``tensors`` in turn."""
+    """The payloads of the joined spec keys ``specs``, each taking its ``tensor_names`` from
+    ``tensors`` in turn."""
     payloads, start = [], 0
-    for spec in specs.split("\n"):
+    for spec in split_keys(specs):
         count = len(spec_from_key(spec).tensor_names)
         payloads.append(payload_for_op(spec, tensors[start : start + count]))
         start += count

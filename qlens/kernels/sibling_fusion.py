@@ -27,7 +27,7 @@ from torch import fx
 
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.ops import stacked_width
-from qlens.quant.payload_spec import spec_from_key
+from qlens.quant.payload_spec import joined_keys, spec_from_key
 
 _LINEAR = torch.ops.qlens.linear
 _REGROUPED = torch.ops.qlens.linear_regrouped_row
@@ -185,7 +185,7 @@ def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) 
             if order[source] > order[first]:
                 first.prepend(source)
     tensors = [t for node in group for t in node.args[1]]  # type: ignore[union-attr]
-    specs = "\n".join(node.args[2] for node in group)  # type: ignore[misc]
+    specs = joined_keys([node.args[2] for node in group])  # type: ignore[misc]
     biases = [node.args[3] for node in group]
     fused_op = _FUSED[first.target][1]
     with graph.inserting_before(first):

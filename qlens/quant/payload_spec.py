@@ -77,10 +77,29 @@ class PayloadSpec:
     @functools.cached_property
     def key(self) -> str:
         """The spec as one JSON string (what the ``qlens::`` custom ops take)."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return _compact_json(self.to_json())
 
 
 @functools.lru_cache(maxsize=1024)
 def spec_from_key(key: str) -> PayloadSpec:
     """The spec whose ``key`` is ``key`` (parsed once per key)."""
     return PayloadSpec.from_json(json.loads(key))
+
+
+def joined_keys(keys: Sequence[str]) -> str:
+    """Several spec keys as one string: a JSON array of the specs. Nothing in it needs a
+    backslash (a key has none), so the string survives inductor's generated code verbatim,
+    where it is written inside other string literals."""
+    if any("\\" in key for key in keys):
+        raise ValueError(f"spec keys with a backslash cannot be joined: {list(keys)}")
+    return "[" + ",".join(keys) + "]"
+
+
+@functools.lru_cache(maxsize=256)
+def split_keys(joined: str) -> tuple[str, ...]:
+    """The spec keys that :func:`joined_keys` joined, in order."""
+    return tuple(_compact_json(entry) for entry in json.loads(joined))
+
+
+def _compact_json(entry: Any) -> str:
+    return json.dumps(entry, sort_keys=True, separators=(",", ":"))

@@ -17,7 +17,7 @@ from qlens.kernels.runtime import interpreting
 from qlens.kernels.sibling_fusion import fuse_sibling_linears
 from qlens.modules import QuantLinear
 from qlens.modules.model_quantize import quantize
-from qlens.quant.payload_spec import PayloadSpec
+from qlens.quant.payload_spec import PayloadSpec, joined_keys, split_keys
 from qlens.quant.quantize import quantize_weight
 
 SIBLING_OP = "qlens.sibling_linear.default"
@@ -191,10 +191,35 @@ def test_biases_are_added_to_each_siblings_columns() -> None:
         assert torch.equal(out, pair(x))
 
 
+@pytest.mark.parametrize("scheme", ["int4", "nvfp4", "fp8-block"])
+def test_the_joined_keys_print_without_escapes_and_split_back(scheme) -> None:
+    """Inductor writes the op's string into generated code, partly inside other string
+    literals: a backslash there (an escaped newline) broke the module's import on GPUs."""
+    model = quantize(make_model("llama"), scheme)
+    gm, _, _ = _captured(model, input_ids()[:1, :1])
+    joined = [n.args[2] for n in gm.graph.nodes if str(n.target) == SIBLING_OP]
+    assert all(repr(text) == f"'{text}'" for text in joined)
+    # Per layer q/k/v then gate/up, each sibling's own key in order.
+    sibling_keys = [
+        PayloadSpec.of(getattr(block, part).payload).key
+        for layer in model.model.layers
+        for block, names in ((layer.self_attn, "qkv"), (layer.mlp, ("gate", "up")))
+        for part in (f"{n}_proj" for n in names)
+    ]
+    assert [key for text in joined for key in split_keys(text)] == sibling_keys
+    assert all(joined_keys(split_keys(text)) == text for text in joined)
+
+
+def test_keys_with_a_backslash_are_refused() -> None:
+    key = PayloadSpec.of(quantize_weight(torch.randn(32, 128), "int4")).key
+    with pytest.raises(ValueError, match="backslash"):
+        joined_keys([key, key.replace("INT4", "INT4\\n")])
+
+
 def test_the_sibling_op_passes_opcheck() -> None:
     payloads = [quantize_weight(torch.randn(n, 128), "int4") for n in (32, 48, 16)]
     tensors = [t for p in payloads for t in p.tensors().values()]
-    specs = "\n".join(PayloadSpec.of(p).key for p in payloads)
+    specs = joined_keys([PayloadSpec.of(p).key for p in payloads])
     for x, biases in (
         (torch.randn(1, 128), [None, None, None]),
         (torch.randn(1, 1, 128), [torch.randn(32), torch.randn(48), torch.randn(16)]),
