@@ -134,6 +134,23 @@ def _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
 
 @triton.jit
 @no_type_check
+def _word_scales_gathered(scale_ptr, zero_ptr, global_ptr, offs_n, offs_w, N, K, stride_s,
+                          FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                          HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
+    """``_word_scales`` loaded per word (``[BLOCK_N, words]`` in the words' own layout)."""
+    n_groups = tl.cdiv(K, GROUP_K)
+    groups = offs_w * 8 // GROUP_K
+    scale = _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, 1,
+                    SCALE_E8M0, GLOBAL_DIVIDE)  # fmt: skip
+    if HAS_ZEROS:
+        z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, 1, 0)
+        return scale, z.to(tl.float32)
+    else:
+        return scale, 8.0  # the symmetric int4 offset, folded into a constant
+
+
+@triton.jit
+@no_type_check
 def _code_values(words, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
     """Per-word state the eight code decodes share: magic-marked words (int4) or the asm's codes."""
     if FAMILY == INT4_C:
@@ -205,16 +222,35 @@ def _fma_tile(
     else regrouped as float32 (``permute_codes``), code ``j`` at ``j * stride_xj + w``.
     """
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-    words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
-                        MASK_K, MASK_N)  # fmt: skip
     row = xp_ptr + offs_m[:, None] * stride_xm
     if X_NATURAL:
+        # One word a thread, as the eight code positions split from x's [words, 8] load hold
+        # them: the words and their scales are loaded in that layout (no 16-byte word loads,
+        # whose four words a thread would move every decoded code through shared memory).
+        offs_w = tl.max_contiguous(offs_w, [1, 1])
         xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
+        scale, zero = _word_scales_gathered(
+            scale_ptr,
+            zero_ptr,
+            global_ptr,
+            offs_n,
+            offs_w,
+            N,
+            K,
+            stride_s,
+            FAMILY,
+            GROUP_K,
+            SCALE_E8M0,
+            HAS_ZEROS,
+            GLOBAL_DIVIDE,
+        )
     else:
         x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
-    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
-                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
+        scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                                   FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
+                                   BLOCK_N, BLOCK_K)  # fmt: skip
+    words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
+                        MASK_K, MASK_N)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
         if X_NATURAL:

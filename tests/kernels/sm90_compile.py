@@ -2,10 +2,12 @@
 
 ``run_compile_script(script)`` runs ``script`` in a fresh interpreter without
 ``TRITON_INTERPRET`` (the GPU code path), with Triton's tools folder as its argument, and returns
-the JSON list it prints last. ``compile_sm90(kernel, args, options, tools)`` compiles ``kernel`` with the signature of the
-recorded ``args`` (tensors by dtype, integers by range) and the recorded constexprs and launch
-options, and returns the bytes spilled to the stack and which tensor-core instructions its PTX
-holds. ``tools`` is Triton's NVIDIA backend ``bin`` folder (ptxas, cuobjdump).
+the JSON list it prints last. ``compile_sm90(kernel, args, options, tools)`` compiles ``kernel``
+with the signature of the recorded ``args`` (tensors by dtype, integers by range, both with the
+alignment a launch specializes on) and the recorded constexprs and launch options, and returns
+the bytes spilled to the stack, which tensor-core instructions its PTX holds and how many
+barriers (each a shared-memory exchange). ``tools`` is Triton's NVIDIA backend ``bin`` folder
+(ptxas, cuobjdump).
 """
 
 from __future__ import annotations
@@ -65,20 +67,27 @@ def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature, constants = {}, {}
+    # Specialized as a launch specializes them: 16-byte aligned tensors and integers divisible
+    # by 16 marked so (vector loads follow from it), integers equal to 1 made constant.
+    signature, constants, attrs = {}, {}, {}
+    divisible = [["tt.divisibility", 16]]
     for i, param in enumerate(kernel.params):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constants[(i,)] = options[param.name]
         elif isinstance(args[i], torch.Tensor):
             signature[param.name] = "*" + TYPES[args[i].dtype]
-        elif args[i] is None:
+            if args[i].data_ptr() % 16 == 0:
+                attrs[(i,)] = divisible
+        elif args[i] is None or args[i] == 1:
             signature[param.name] = "constexpr"
-            constants[(i,)] = None
+            constants[(i,)] = args[i]
         else:
             signature[param.name] = "i32" if -(2**31) <= args[i] < 2**31 else "i64"
+            if args[i] % 16 == 0:
+                attrs[(i,)] = divisible
     compiled = triton.compile(
-        ASTSource(kernel, signature, constants),
+        ASTSource(kernel, signature, constants, attrs),
         target=GPUTarget("cuda", 90, 32),
         # Triton's defaults where the launch leaves them out
         options={
@@ -107,4 +116,5 @@ def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[st
         "stack": int(fields["STACK"]),
         "wgmma": "wgmma" in ptx,
         "mma": "mma.sync" in ptx or "wgmma" in ptx,
+        "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
     }
