@@ -13,12 +13,12 @@ hot loop) and every code is decoded exactly in a few integer operations:
 
 For one row each code meets ``x`` in float32 FMAs; the products of one tile are summed per word
 and multiplied by the group scale once per word instead of once per code. The product is
-``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
-(``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
-activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
-code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
-``[words, 8]`` load split into the eight code positions in registers, so a call launches
-nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
+``[N, words]`` and ``x`` is read as ``[1, words]`` in the words' register layout, so each thread
+reuses its activations for all its rows. It reads ``x`` in the caller's layout and dtype, as one
+contiguous ``[words, 8]`` load split into the eight code positions in registers (one word a
+thread), so a call launches nothing but the GEMV; the words and their scales are loaded one word
+a thread to match (16-byte word loads would hold four words a thread, and every decoded code
+position would cross shared memory to meet ``x``). For two rows or more the decoded, scaled codes feed tensor-core dots,
 one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
 ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
 position (``qlens.kernels.code_order.permute_codes``).
@@ -229,21 +229,9 @@ def _fma_tile(
         # whose four words a thread would move every decoded code through shared memory).
         offs_w = tl.max_contiguous(offs_w, [1, 1])
         xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
-        scale, zero = _word_scales_gathered(
-            scale_ptr,
-            zero_ptr,
-            global_ptr,
-            offs_n,
-            offs_w,
-            N,
-            K,
-            stride_s,
-            FAMILY,
-            GROUP_K,
-            SCALE_E8M0,
-            HAS_ZEROS,
-            GLOBAL_DIVIDE,
-        )
+        scale, zero = _word_scales_gathered(scale_ptr, zero_ptr, global_ptr, offs_n, offs_w, N,
+                                            K, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+                                            HAS_ZEROS, GLOBAL_DIVIDE)  # fmt: skip
     else:
         x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
         scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
