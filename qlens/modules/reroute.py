@@ -17,7 +17,9 @@ quantize their activations per token and K block, as ``FP8Linear`` does on a GPU
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
+import operator
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -117,6 +119,7 @@ def reroute_quantized_modules(
             logger.info("kept the own forward of %s (matches keep pattern %r)", name, kept)
             continue
         _reroute(module)
+        _watch_assignments()
         if _materialized(module):  # so a compiled graph traced before any call reads it
             _adopted(module)
         rerouted.append(name)
@@ -147,6 +150,7 @@ def restore_own_forward(model: nn.Module) -> list[str]:
         if _is_rerouted(module):
             own = module.__dict__.get("_qlens_own_forward")
             del module.forward
+            del module._apply
             if own is not None:  # an instance forward the library had set (compressed-tensors)
                 module.forward = own
                 del module._qlens_own_forward
@@ -181,10 +185,47 @@ def _reroute(module: nn.Module) -> None:
     own = module.__dict__.get("forward")
     if own is not None:
         module._qlens_own_forward = own
+    module._apply = types.MethodType(_apply_then_adopt, module)  # type: ignore[method-assign]
     if _first_weight(module) is not None or type(module).__name__ == "Mxfp4GptOssExperts":
         module.forward = types.MethodType(_experts_forward, module)
     else:
         module.forward = types.MethodType(_linear_forward, module)
+
+
+@functools.cache
+def _watch_assignments() -> None:
+    """Have every parameter or buffer assigned to a rerouted module (``module.weight = ...``,
+    ``load_state_dict(assign=True)``) read at once, so compiled graphs read the new tensor."""
+    from torch.nn.modules import module as module_hooks
+
+    module_hooks.register_module_parameter_registration_hook(_adopt_assigned("_parameters"))
+    module_hooks.register_module_buffer_registration_hook(_adopt_assigned("_buffers"))
+
+
+def _adopt_assigned(kind: str) -> Callable[[nn.Module, str, Tensor | None], None]:
+    def hook(module: nn.Module, name: str, value: Tensor | None) -> None:
+        if value is None or not _is_rerouted(module):
+            return
+        getattr(module, kind)[name] = value  # torch stores it right after its hooks
+        if _materialized(module):
+            _adopted(module)
+
+    return hook
+
+
+def _apply_then_adopt(
+    self: nn.Module, fn: Callable[[Tensor], Tensor], recurse: bool = True
+) -> nn.Module:
+    """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...), then the module's tensors
+    read again: conversions may keep the tensor objects and replace their data, which no
+    compiled graph guard sees."""
+    out = nn.Module._apply(self, fn, recurse)
+    if _materialized(self):
+        _adopted(self)
+    else:
+        for name in (_TRACED, _SOURCES):
+            self.__dict__.pop(name, None)
+    return out
 
 
 # Payloads adopted from a module, rebuilt whenever one of the module's tensors is replaced,
@@ -193,8 +234,12 @@ _PLAIN = (int, float, str, bool, type(None), dict, nn.Module)
 _ADOPTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.WeakKeyDictionary()
 
 
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
 def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
-    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    tensors = _own_tensors(module)
     # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
     holders = [v for k, v in vars(module).items() if k not in _KEPT and not isinstance(v, _PLAIN)]
     key = (
@@ -207,6 +252,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
     payloads = adopt.adopt_module(module)
     _ADOPTED[module] = (key, payloads)
     module.__dict__[_TRACED] = _op_arguments(payloads)
+    module.__dict__[_SOURCES] = tuple(tensors)
     return payloads
 
 
@@ -229,12 +275,27 @@ def _op_arguments(
     }  # fmt: skip
 
 
+# The module's own tensors the kept op arguments were read from.
+_SOURCES = "_qlens_adopted_from"
+
+
 def _traced_adoption(module: nn.Module) -> Any:
-    """The kept op arguments (adopting first when no eager call did yet)."""
+    """The kept op arguments (adopting first when no eager call did yet), checked to come from
+    the module's current tensors. The graph reads them afresh on every call, and every
+    adoption replaces them (an eager call after a change, ``.to()``); reading the module's
+    tensors here also has dynamo guard them, so a tensor replaced after compiling retraces."""
     kept = module.__dict__.get(_TRACED)
     if kept is None:
         _adopted(module)
         kept = module.__dict__[_TRACED]
+    sources, current = module.__dict__[_SOURCES], _own_tensors(module)
+    if len(sources) != len(current) or any(map(operator.is_not, sources, current)):
+        raise RuntimeError(
+            f"the tensors of this rerouted {type(module).__name__} were replaced since qlens "
+            "read them, so the compiled graph cannot read them without checking them first: "
+            "run one forward without torch.compile (it reads them again), then the compiled one; "
+            "assign tensors as attributes (module.weight = ...), which qlens reads at once"
+        )
     return kept
 
 
@@ -309,7 +370,8 @@ T = TypeVar("T")
 _GATE = "_qlens_gate"
 # FP8 activations (``set_rerouted_w8a8``): a linear's flag, or the experts' activation blocks.
 _W8A8 = "_qlens_w8a8"
-_KEPT = (_TRACED, _PLANS, _GATE, _W8A8)  # what qlens keeps on the module itself: not the adoption
+# What qlens keeps on the module itself: not the adoption.
+_KEPT = (_TRACED, _SOURCES, _PLANS, _GATE, _W8A8, "_apply")
 
 
 def _kept_plans(

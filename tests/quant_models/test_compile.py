@@ -322,6 +322,36 @@ def test_rerouted_fp8_linear_compiles_before_any_eager_call() -> None:
     assert torch.equal(compiled, holder(x))
 
 
+def _fp8_flipped(weight: torch.Tensor, dim: int) -> torch.Tensor:
+    return weight.detach().view(torch.uint8).flip(dim).view(torch.float8_e4m3fn)
+
+
+def test_a_compiled_rerouted_linear_reads_its_tensors_after_they_change() -> None:
+    """Edits in place, conversions that replace a tensor's data (``_apply``) and assigned
+    tensors all reach the compiled graph; a tensor written into ``_parameters`` directly is
+    refused in a whole-graph trace (qlens cannot check it there) until an eager call reads it."""
+    torch._dynamo.reset()  # a fresh recompile budget for Sequential.forward
+    holder = _rerouted_fp8_holder()
+    layer, x = holder[0], torch.randn(2, 128)
+    compiled = torch.compile(holder, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        first = compiled(x)
+        layer.weight.copy_(_fp8_flipped(layer.weight, 0))
+        assert torch.equal(compiled(x), holder(x)) and not torch.equal(first, holder(x))
+        holder._apply(lambda t: t.clone())  # same tensor objects, new data
+        layer.weight.copy_(_fp8_flipped(layer.weight, 1))
+        assert torch.equal(compiled(x), holder(x))
+        layer.weight = torch.nn.Parameter(_fp8_flipped(layer.weight, 0), requires_grad=False)
+        assert torch.equal(compiled(x), holder(x))
+        layer._parameters["weight"] = torch.nn.Parameter(
+            _fp8_flipped(layer.weight, 1), requires_grad=False
+        )
+        with pytest.raises(Exception, match="Observed exception"):
+            compiled(x)
+        eager = holder(x)  # reads it again
+        assert torch.equal(compiled(x), eager)
+
+
 class _Builds:
     """Payloads and launch plans constructed, counted."""
 
