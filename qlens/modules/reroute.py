@@ -207,10 +207,22 @@ def _adopt_assigned(kind: str) -> Callable[[nn.Module, str, Tensor | None], None
         if value is None or not _is_rerouted(module):
             return
         getattr(module, kind)[name] = value  # torch stores it right after its hooks
-        if _materialized(module):
+        if not _materialized(module):
+            return
+        try:
             _adopted(module)
+        except (ValueError, TypeError, RuntimeError):
+            # Maybe one of several tensors replaced in turn: read (and checked, raising if
+            # still wrong) at the next forward instead.
+            _forget_adoption(module)
 
     return hook
+
+
+def _forget_adoption(module: nn.Module) -> None:
+    _ADOPTED.pop(module, None)
+    for name in (_TRACED, _SOURCES):
+        module.__dict__.pop(name, None)
 
 
 def _apply_then_adopt(
@@ -223,8 +235,7 @@ def _apply_then_adopt(
     if _materialized(self):
         _adopted(self)
     else:
-        for name in (_TRACED, _SOURCES):
-            self.__dict__.pop(name, None)
+        _forget_adoption(self)
     return out
 
 

@@ -352,6 +352,22 @@ def test_a_compiled_rerouted_linear_reads_its_tensors_after_they_change() -> Non
         assert torch.equal(compiled(x), eager)
 
 
+def test_tensors_of_a_rerouted_linear_can_be_replaced_one_at_a_time() -> None:
+    """A weight of another width assigned before its scales: the assignment stands, a forward
+    in between says what is wrong, and the module runs once the scales follow."""
+    holder = _rerouted_fp8_holder()
+    layer, x = holder[0], torch.randn(2, 256)
+    weight = (torch.randn(64, 256) * 60).to(torch.float8_e4m3fn)
+    with torch.no_grad():
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        with pytest.raises(ValueError, match=r"`scales` must have shape \[1, 2\], got \[1, 1\]"):
+            holder(x)
+        scales = torch.rand(1, 2) * 1e-3 + 1e-4
+        layer.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
+        expected = x @ (weight.float() * scales.repeat_interleave(128, 1)).T + layer.bias
+        assert torch.allclose(holder(x), expected, rtol=1e-5, atol=1e-4)
+
+
 class _Builds:
     """Payloads and launch plans constructed, counted."""
 
