@@ -177,7 +177,7 @@ def _first_weight(module: nn.Module) -> Tensor | None:
 
 def _materialized(module: nn.Module) -> bool:
     """Whether the module's own tensors hold values (none on the meta device)."""
-    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    tensors = _own_tensors(module)
     return bool(tensors) and not any(t.is_meta for t in tensors)
 
 
@@ -207,16 +207,22 @@ def _adopt_assigned(kind: str) -> Callable[[nn.Module, str, Tensor | None], None
         if value is None or not _is_rerouted(module):
             return
         getattr(module, kind)[name] = value  # torch stores it right after its hooks
-        if not _materialized(module):
-            return
         try:
-            _adopted(module)
+            _read_again(module)
         except (ValueError, TypeError, RuntimeError):
             # Maybe one of several tensors replaced in turn: read (and checked, raising if
             # still wrong) at the next forward instead.
             _forget_adoption(module)
 
     return hook
+
+
+def _read_again(module: nn.Module) -> None:
+    """Adopt the module's current tensors, or forget the adoption while any is on meta."""
+    if _materialized(module):
+        _adopted(module)
+    else:
+        _forget_adoption(module)
 
 
 def _forget_adoption(module: nn.Module) -> None:
@@ -232,10 +238,7 @@ def _apply_then_adopt(
     read again: conversions may keep the tensor objects and replace their data, which no
     compiled graph guard sees."""
     out = nn.Module._apply(self, fn, recurse)
-    if _materialized(self):
-        _adopted(self)
-    else:
-        _forget_adoption(self)
+    _read_again(self)
     return out
 
 
