@@ -13,15 +13,15 @@ hot loop) and every code is decoded exactly in a few integer operations:
 
 For one row each code meets ``x`` in float32 FMAs; the products of one tile are summed per word
 and multiplied by the group scale once per word instead of once per code. The product is
-``[N, words]`` and ``x`` is read as ``[1, words]`` in the words' register layout, so each thread
-reuses its activations for all its rows. It reads ``x`` in the caller's layout and dtype, as one
-contiguous ``[words, 8]`` load split into the eight code positions in registers (one word a
-thread), so a call launches nothing but the GEMV; the words and their scales are loaded one word
-a thread to match (16-byte word loads would hold four words a thread, and every decoded code
-position would cross shared memory to meet ``x``). For two rows or more the decoded, scaled
-codes feed tensor-core dots, one per code position (an ``[M, N, words]`` FMA product for 2-4
-rows ran far slower, ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x``
-regrouped by code position (``qlens.kernels.code_order.permute_codes``).
+``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
+(``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
+activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
+code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
+``[words, 8]`` load split into the eight code positions in registers, so a call launches
+nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
+one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
+``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
+position (``qlens.kernels.code_order.permute_codes``).
 """
 
 from typing import no_type_check
@@ -109,39 +109,27 @@ def _load_words(words_ptr, rows, n_ok, offs_w, K, MASK_K: tl.constexpr, MASK_N: 
 
 @triton.jit
 @no_type_check
-def _group_scales(scale_ptr, zero_ptr, global_ptr, offs_n, groups, N, K, stride_s,
-                  FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                  HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
-    """float32 scale and zero point ``[BLOCK_N, C]`` of the scale groups ``groups`` (``[1, C]``)
-    of rows ``offs_n`` (the zero point is the constant 8 without zero points)."""
-    n_groups = tl.cdiv(K, GROUP_K)
-    scale = _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, 1,
-                    SCALE_E8M0, GLOBAL_DIVIDE)  # fmt: skip
-    if HAS_ZEROS:
-        z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, 1, 0)
-        return scale, z.to(tl.float32)
-    else:
-        return scale, 8.0  # the symmetric int4 offset, folded into a constant
-
-
-@triton.jit
-@no_type_check
 def _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                  FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """``_group_scales`` of each word ``[BLOCK_N, BLOCK_K / 8]`` of a K tile: the tile's groups
-    loaded once each, then repeated along the words."""
+    """float32 scale and zero point ``[BLOCK_N, BLOCK_K / 8]`` of each word of a K tile (the
+    zero point is the constant 8 without zero points)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     RUN: tl.constexpr = GROUP_K // 8
     SEVERAL: tl.constexpr = BLOCK_K > GROUP_K
-    scale, zero = _group_scales(scale_ptr, zero_ptr, global_ptr, offs_n,
-                                _tile_groups(k0, GROUP_K, BLOCK_K), N, K, stride_s, FAMILY,
-                                GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE)  # fmt: skip
-    scale = _expand(scale, BLOCK_N, WORDS, RUN, SEVERAL)
+    n_groups = tl.cdiv(K, GROUP_K)
+    groups = _tile_groups(k0, GROUP_K, BLOCK_K)
+    scale = _expand(
+        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, 1,
+                SCALE_E8M0, GLOBAL_DIVIDE),
+        BLOCK_N, WORDS, RUN, SEVERAL,
+    )  # fmt: skip
     if HAS_ZEROS:
-        zero = _expand(zero, BLOCK_N, WORDS, RUN, SEVERAL)
-    return scale, zero
+        z = _group_values(zero_ptr, offs_n, groups, N, n_groups, stride_s, 1, 0)
+        return scale, _expand(z.to(tl.float32), BLOCK_N, WORDS, RUN, SEVERAL)
+    else:
+        return scale, 8.0  # the symmetric int4 offset, folded into a constant
 
 
 @triton.jit
@@ -217,23 +205,16 @@ def _fma_tile(
     else regrouped as float32 (``permute_codes``), code ``j`` at ``j * stride_xj + w``.
     """
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-    row = xp_ptr + offs_m[:, None] * stride_xm
-    if X_NATURAL:
-        # One word a thread, as the eight code positions split from x's [words, 8] load hold
-        # them: the words and their scales are loaded in that layout (no 16-byte word loads,
-        # whose four words a thread would move every decoded code through shared memory).
-        offs_w = tl.max_contiguous(offs_w, [1, 1])
-        xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
-        scale, zero = _group_scales(scale_ptr, zero_ptr, global_ptr, offs_n,
-                                    offs_w * 8 // GROUP_K, N, K, stride_s, FAMILY, GROUP_K,
-                                    SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE)  # fmt: skip
-    else:
-        x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
-        scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
-                                   FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
-                                   BLOCK_N, BLOCK_K)  # fmt: skip
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
+    row = xp_ptr + offs_m[:, None] * stride_xm
+    if X_NATURAL:
+        xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
+    else:
+        x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
+    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
+                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
         if X_NATURAL:

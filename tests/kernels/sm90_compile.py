@@ -5,8 +5,9 @@
 the JSON list it prints last. ``compile_sm90(kernel, args, options, tools)`` compiles ``kernel``
 with the signature of the recorded ``args`` (tensors by dtype, integers by range, both with the
 alignment a launch specializes on) and the recorded constexprs and launch options, and returns
-the bytes spilled to the stack, which tensor-core instructions its PTX holds and how many
-barriers (each a shared-memory exchange). ``tools`` is Triton's NVIDIA backend ``bin`` folder
+the bytes spilled to the stack, which tensor-core instructions its PTX holds, how many
+barriers (each a shared-memory exchange) and the bytes a thread loads at once from the packed
+words. ``tools`` is Triton's NVIDIA backend ``bin`` folder
 (ptxas, cuobjdump).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -117,4 +119,21 @@ def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[st
         "wgmma": "wgmma" in ptx,
         "mma": "mma.sync" in ptx or "wgmma" in ptx,
         "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
+        "word_load_bytes": word_load_bytes(compiled.asm["ttgir"]),
     }
+
+
+def word_load_bytes(ttgir: str) -> int | None:
+    """Fewest bytes one thread loads at once from an int32 tensor (the packed words), read
+    from the layouts of the kernel's loads; None without such loads."""
+    layouts = {
+        name: int(per_thread.split(",")[-1])
+        for name, per_thread in re.findall(
+            r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M
+        )
+    }
+    loads = re.findall(
+        r"(?:tt\.load|ttg\.async_copy_global_to_local) .*: tensor<[\dx]+!tt\.ptr<i32>, (#blocked\d*)>",
+        ttgir,
+    )
+    return min((4 * layouts[layout] for layout in loads), default=None)

@@ -75,6 +75,7 @@ for scheme in ("mxfp4", "nvfp4"):  # E2M1 rows regrouped in a compiled graph
     regrouped = sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"), regrouped=True)
     regrouped.stacked(xp, None)
     compile_recorded(f"{scheme} regrouped siblings")
+
 print(json.dumps(results))
 """
 
@@ -121,8 +122,8 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
             assert result["use_asm"], result  # the GPU decode, not the interpreter's
         if result["use_dot"]:
             assert result["mma"], result  # tensor-core dots
-        elif result["kernel"] in ("packed_gemv_kernel", "packed_siblings_gemv_kernel"):
-            # One row in FMAs: the decoded codes meet x in the layout they were loaded in; the
-            # barriers left are the epilogue's (a word layout that differs from x's split
-            # moved every code position through shared memory: 136 barriers a launch).
-            assert result["barriers"] <= 3, result
+        if result["word_load_bytes"] is not None:
+            # Packed words stream in 16-byte loads. (One-row GEMVs that loaded one 4-byte word a
+            # thread, so the decoded codes met x's split without shared memory, ran five times
+            # slower on the GPU: benchmarks/results/archive/gemv_one_word_a_thread_h100.md.)
+            assert result["word_load_bytes"] == 16, result
