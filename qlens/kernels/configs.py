@@ -1,4 +1,5 @@
-"""Launch configurations: a small table tuned on the H200, safe defaults elsewhere.
+"""Launch configurations: a small table tuned on the H200 for Hopper GPUs (H100, H200, GH200,
+H800, H20: the same SM, the same 132-SM launch shapes), safe defaults elsewhere.
 
 ``"gemv"`` streams the weight once for a few rows: one row in plain FMAs, and for packed 4-bit
 words up to 32 rows (int4: 64) on tensor-core dots (``qlens.kernels.gemv``); the decode path
@@ -13,6 +14,7 @@ FP8 GEMM when the shape allows it, else the Triton GEMM.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -149,21 +151,29 @@ def choose_config(
     return _table_config(m, n, k, gpu_name(device), _sm_count(device), w8a8, packed_words, int4)
 
 
+HOPPER_NAME = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def hopper(name: str) -> bool:
+    """Whether a GPU of this name is a Hopper one, which takes the tables tuned on the H200."""
+    return HOPPER_NAME.search(name) is not None
+
+
 @functools.lru_cache(maxsize=4096)
 def _table_config(
     m: int, n: int, k: int, name: str, sms: int, w8a8: bool, packed_words: bool, int4: bool
 ) -> LinearConfig:
     """``choose_config`` on a GPU called ``name`` with ``sms`` SMs."""
-    h200 = "H200" in name
+    tuned = hopper(name)  # the tables tuned on the H200
     table: tuple[TableRow, ...]
     if w8a8:
-        table = launch_tables.H200_W8A8 if h200 else launch_tables.DEFAULT_W8A8
-    elif packed_words and h200:
+        table = launch_tables.H200_W8A8 if tuned else launch_tables.DEFAULT_W8A8
+    elif packed_words and tuned:
         table = launch_tables.H200_PACKED_WORDS
     else:
-        table = launch_tables.H200_WEIGHT_ONLY if h200 else launch_tables.DEFAULT_WEIGHT_ONLY
+        table = launch_tables.H200_WEIGHT_ONLY if tuned else launch_tables.DEFAULT_WEIGHT_ONLY
     table_m = m
-    if packed_words and h200 and int4 and m <= INT4_PACKED_GEMV_MAX_M:
+    if packed_words and tuned and int4 and m <= INT4_PACKED_GEMV_MAX_M:
         table_m = min(m, PACKED_GEMV_MAX_M)
     row = next(row for row in table if table_m <= row.max_m)
     cfg = LinearConfig(
@@ -175,9 +185,9 @@ def _table_config(
         num_stages=row.num_stages,
     )
     narrow = ceil_div(n, cfg.block_n) < sms
-    if h200 and m == 1 and not packed_words and cfg.path == "gemv" and narrow:
+    if tuned and m == 1 and not packed_words and cfg.path == "gemv" and narrow:
         cfg = replace(cfg, block_n=launch_tables.NARROW_BYTE_GEMV_BLOCK_N.value)
-    if packed_words and h200 and m == 1:
+    if packed_words and tuned and m == 1:
         if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
             cfg = replace(
                 cfg,

@@ -176,3 +176,28 @@ def test_table_choices_are_kept_per_gpu(h200, monkeypatch):
     assert choose_config(2, 1024, 4096, gpu).split_k == 16
     monkeypatch.setattr(configs, "_sm_count", lambda device: 16)
     assert choose_config(2, 1024, 4096, gpu).split_k == 2
+
+
+@pytest.mark.parametrize(
+    "name, tuned",
+    [
+        ("NVIDIA H200", True),
+        ("NVIDIA H100 80GB HBM3", True),
+        ("NVIDIA H100 PCIe", True),
+        ("NVIDIA GH200 480GB", True),
+        ("NVIDIA H800", True),
+        ("NVIDIA H20", True),
+        ("NVIDIA A100-SXM4-80GB", False),
+        ("NVIDIA L40S", False),
+        ("NVIDIA RTX 6000 Ada Generation", False),
+    ],
+)
+def test_hopper_gpus_take_the_tables_tuned_on_the_h200(h200, monkeypatch, name, tuned):
+    """Every Hopper GPU gets the H200's launches; others the safe defaults."""
+    configs = h200
+    gpu = torch.device("cuda")
+    tuned_launch = choose_config(1, 28672, 8192, gpu, packed_words=True)
+    monkeypatch.setattr(configs, "gpu_name", lambda device: name)
+    launch = choose_config(1, 28672, 8192, gpu, packed_words=True)
+    assert configs.hopper(name) is tuned
+    assert (launch == tuned_launch) is tuned

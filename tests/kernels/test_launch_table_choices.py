@@ -1,5 +1,6 @@
 """The launch tables choose what they chose before they became data: every (rows, shape, GPU,
-weight kind) case of ``launch_table_choices.json``, recorded from the tables as Python tuples."""
+weight kind) case of ``launch_table_choices.json``, recorded from the tables as Python tuples (the
+H100's cases since updated to the H200's choices: Hopper GPUs share the tuned tables)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def test_every_recorded_choice_is_unchanged():
         if _table_config(*args) != LinearConfig(**expected)
     ]
     assert not changed, changed[:5]
+
+
+def test_the_h100_takes_the_h200s_launches():
+    h200 = {
+        (*args[:3], *args[5:]): expected for args, expected in CASES if args[3] == "NVIDIA H200"
+    }
+    h100 = [(args, expected) for args, expected in CASES if "H100" in args[3]]
+    assert h100 and all(expected == h200[(*a[:3], *a[5:])] for a, expected in h100)
 
 
 def test_the_record_covers_every_path():
