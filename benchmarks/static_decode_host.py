@@ -1,8 +1,8 @@
-"""Where a ``qlens.StaticDecoder`` step's time goes, without ``torch.profiler`` (whose host
-events stretch under it): per decode step, the host's time to issue it (the Python call
-returning, no sync), the GPU's time to run it (CUDA events around each step: the graph's kernels
-and the gaps between them) and the GPU's idle time between steps, with the wall time per token,
-bf16 against qlens schemes.
+"""Where a ``qlens.StaticDecoder`` decode's time goes, without ``torch.profiler`` (whose host
+events stretch under it): the eager prefill's wall time, and per decode step the host's time
+to issue it (the Python call returning, no sync), the GPU's time to run it (CUDA events around
+each step: the graph's kernels and the gaps between them) and the GPU's idle time between
+steps, with the wall time per token, bf16 against qlens schemes.
 
 Run on a CUDA GPU from the repository root:
 ``python benchmarks/static_decode_host.py --size 8b --schemes int4,nvfp4,mxfp4``; prints markdown
@@ -62,21 +62,30 @@ class StepClock:
         }
 
 
+def wall_s(call: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``call``, synchronized."""
+    walls = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - began)
+    return statistics.median(walls)
+
+
 def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: int) -> dict:
-    """Wall microseconds a token over ``repeats`` timed decodes, and the clock of one more."""
+    """Wall microseconds a token over ``repeats`` timed decodes, the eager prefill's wall time
+    (a call producing one token: the prompt's forward, no decode step), and the step clock of
+    one more decode."""
     from qlens.static_decode import StaticDecoder
 
     torch._dynamo.reset()
     decoder = StaticDecoder(model, prompt.shape[1] + tokens)
     for _ in range(2):  # compiles, records the CUDA graphs
         decoder.generate(prompt, tokens, stop_at_eos=False)
-    walls = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        decoder.generate(prompt, tokens, stop_at_eos=False)
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - began) / tokens * 1e6)
+    whole = wall_s(lambda: decoder.generate(prompt, tokens, stop_at_eos=False), repeats)
+    prefill = wall_s(lambda: decoder.generate(prompt, 1, stop_at_eos=False), repeats)
     step = decoder._compiled_step()
     clock = StepClock(step)
     decoder._step = clock
@@ -84,22 +93,30 @@ def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: 
         decoder.generate(prompt, tokens, stop_at_eos=False)
     finally:
         decoder._step = step
-    return {"wall_us": statistics.median(walls), **clock.summary(), "steps": len(clock.host)}
+    return {
+        "wall_us": whole / tokens * 1e6,
+        "prefill_ms": prefill * 1e3,
+        "decode_us": (whole - prefill) / (tokens - 1) * 1e6,
+        **clock.summary(),
+    }
 
 
 def table(rows: dict[str, dict]) -> list[str]:
     bf16 = rows.get("bf16")
     lines = [
-        "| scheme | wall us/token | vs bf16 | host us/step | GPU us/step | GPU idle us between "
-        "steps | bound by |",
-        "|---|---|---|---|---|---|---|",
+        "| scheme | wall us/token | vs bf16 | eager prefill ms | decode us/token (prefill "
+        "excluded) | vs bf16 | host us/step | GPU us/step | GPU idle us between steps | "
+        "bound by |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for scheme, r in rows.items():
         ratio = f"{bf16['wall_us'] / r['wall_us']:.2f}x" if bf16 else "-"
+        decode_ratio = f"{bf16['decode_us'] / r['decode_us']:.2f}x" if bf16 else "-"
         bound = "host" if r["host_us"] > r["gpu_us"] else "GPU"
         lines.append(
-            f"| {scheme} | {r['wall_us']:.0f} | {ratio} | {r['host_us']:.0f} | "
-            f"{r['gpu_us']:.0f} | {r['idle_us']:.0f} | {bound} |"
+            f"| {scheme} | {r['wall_us']:.0f} | {ratio} | {r['prefill_ms']:.1f} | "
+            f"{r['decode_us']:.0f} | {decode_ratio} | {r['host_us']:.0f} | {r['gpu_us']:.0f} | "
+            f"{r['idle_us']:.0f} | {bound} |"
         )
     return lines
 
@@ -132,7 +149,8 @@ def main(argv: list[str] | None = None) -> str:
             header(
                 f"qlens.StaticDecoder step: host against GPU, {shape.label}",
                 f"{args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt; wall: "
-                f"median of {args.repeats} decodes after two compiling ones; per step: medians "
+                f"median of {args.repeats} decodes after two compiling ones; eager prefill: "
+                "median wall of calls producing one token; per step: medians "
                 "over one more decode, host time of the step call (no sync), GPU time between "
                 "CUDA events recorded around it, GPU idle time between consecutive steps",
                 ["transformers"],
