@@ -9,6 +9,7 @@ import importlib.metadata
 import itertools
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -352,9 +353,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out64 - ref64).norm() / ref64.norm()).item()
 
 
+def gpu_tag(name: str | None = None) -> str:
+    """The short, lower-case model of a GPU name for result file names ("NVIDIA H100 80GB HBM3"
+    -> "h100"); ``name`` defaults to the visible GPU's; "cpu" without one."""
+    if name is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        name = torch.cuda.get_device_name()
+    model = re.search(r"\b(G?H\d+|[AB]\d{2,3}|L\d+S?)\b", name)
+    return (model.group(1) if model else "gpu").lower()
+
+
+def result_filename(filename: str, name: str | None = None) -> str:
+    """``filename`` with its "_h200" (the GPU the scripts were written on) replaced by the
+    tag of the GPU the run is on, so a run elsewhere does not pose as an H200's."""
+    return filename.replace("_h200", f"_{gpu_tag(name)}")
+
+
 def publish(text: str, filename: str) -> None:
-    """Print a benchmark's markdown and, when ``$OUT`` is set, also write it to ``$OUT/filename``."""
+    """Print a benchmark's markdown and, when ``$OUT`` is set, also write it to ``$OUT/filename``
+    (its "_h200" naming the GPU the run is on)."""
     print(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], filename), "w") as f:
+        with open(os.path.join(os.environ["OUT"], result_filename(filename)), "w") as f:
             f.write(text + "\n")

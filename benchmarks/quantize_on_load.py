@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> str:
             write_checkpoint(directory, SHAPES[size], SHARD_BYTES[size])
         schemes = [s for s in args.schemes.split(",") if s]
         text = report(directory, schemes, args.compare, f"Llama {size} shapes")
-    publish(text, f"quantize_on_load_{'h200' if torch.cuda.is_available() else 'cpu'}.md")
+    publish(
+        text, "quantize_on_load_h200.md" if torch.cuda.is_available() else "quantize_on_load_cpu.md"
+    )
     return text
 
 

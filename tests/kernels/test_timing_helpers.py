@@ -115,3 +115,15 @@ def test_header_names_the_device_and_the_libraries(monkeypatch):
     assert text.startswith("# T\n")
     assert "- GPU: none: CPU " in text and "- timing: timed so" in text
     assert f", transformers {transformers.__version__}\n" in text
+
+
+def test_result_files_are_named_after_the_gpu_that_ran():
+    assert timing.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert timing.gpu_tag("NVIDIA H200") == "h200"
+    assert timing.gpu_tag("NVIDIA GH200 480GB") == "gh200"
+    assert timing.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100"
+    assert timing.gpu_tag("NVIDIA L40S") == "l40s"
+    assert timing.gpu_tag("Some Future Accelerator") == "gpu"
+    assert timing.result_filename("x_as_is_h200.md", "NVIDIA H100 80GB HBM3") == "x_as_is_h100.md"
+    assert timing.result_filename("x_as_is_h200.md", "NVIDIA H200") == "x_as_is_h200.md"
+    assert timing.result_filename("compiled_decode_8b.md", "NVIDIA H100") == "compiled_decode_8b.md"
