@@ -372,7 +372,7 @@ def result_filename(filename: str, name: str | None = None) -> str:
 
 def publish(text: str, filename: str) -> None:
     """Print a benchmark's markdown and, when ``$OUT`` is set, also write it to ``$OUT/filename``
-    (its "_h200" naming the GPU the run is on)."""
+    (its "_h200" naming the GPU the run is on: the scripts' ``$OUT/<name>_<gpu>.md``)."""
     print(text)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], result_filename(filename)), "w") as f:

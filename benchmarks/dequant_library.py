@@ -4,7 +4,7 @@ Q4_0-Q8_0, BitNet) on random payloads of a 28672 x 8192 weight, against eager to
 bf16 bytes written). ``--sweep`` also times every tile of the kernel's sweep list.
 
 Run on a CUDA GPU: ``python benchmarks/dequant_library.py [--sweep] [--only NAME]``; prints
-markdown and, when ``$OUT`` is set, writes it to ``$OUT/dequant_library_h200.md``.
+markdown and, when ``$OUT`` is set, writes it to ``$OUT/dequant_library_<gpu>.md``.
 """
 
 from __future__ import annotations

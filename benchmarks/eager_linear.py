@@ -6,7 +6,7 @@ the GPU has finished them too; with the direct Triton launches (``FastLaunch``) 
 every launch through ``JITFunction.run`` (``FastLaunch.direct = False``).
 
 Run on a CUDA GPU: ``python benchmarks/eager_linear.py``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/eager_linear_h200.md``.
+set, writes it to ``$OUT/eager_linear_<gpu>.md``.
 """
 
 from __future__ import annotations

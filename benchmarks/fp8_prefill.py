@@ -9,7 +9,7 @@ cuBLAS' blockwise FP8 GEMM alone and bf16 ``F.linear``.
   against the GEMM alone on pre-quantized activations and against bf16.
 
 Run on a CUDA GPU: ``python benchmarks/fp8_prefill.py``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/fp8_prefill_h200.md``.
+set, writes it to ``$OUT/fp8_prefill_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the byte-wise one (``LinearConfig(words=False)``). gemlite (int4, group 128,
 its own autotuning) is timed when it is importable.
 
 Run on a CUDA GPU: ``python benchmarks/kernels_decode.py [--no-sweep]``; prints markdown and,
-when ``$OUT`` is set, writes it to ``$OUT/kernels_decode_h200.md``.
+when ``$OUT`` is set, writes it to ``$OUT/kernels_decode_<gpu>.md``.
 """
 
 from __future__ import annotations

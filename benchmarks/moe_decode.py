@@ -14,7 +14,7 @@ the launch) next to the bf16 loop run eagerly, and checks each qlens result agai
 dequantized weights in float64.
 
 Run on a CUDA GPU: ``python benchmarks/moe_decode.py``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/moe_decode_h200.md``.
+set, writes it to ``$OUT/moe_decode_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Each qlens result is checked against the float32 block on the dequantized weight
 under a few tile configurations (the default one first), for tuning ``grouped_config``.
 
 Run on a CUDA GPU: ``python benchmarks/moe_prefill.py`` (``--tokens N``,
-``--schemes int4,fp8-block``, ``--sweep``); prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_h200.md``.
+``--schemes int4,fp8-block``, ``--sweep``); prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/moe_prefill_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 check after a kernel change.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.decode_check``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/decode_check_h200.md``.
+set, writes it to ``$OUT/decode_check_<gpu>.md``.
 """
 
 from __future__ import annotations

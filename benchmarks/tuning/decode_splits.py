@@ -2,7 +2,7 @@
 dispatcher's launch and bf16 (the partials summed in split order by a second launch).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.decode_splits``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/decode_splits_h200.md``.
+set, writes it to ``$OUT/decode_splits_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the 8B decode layers and the largest benchmark layer, against the dispatcher's choice.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.dot_gemv_tiles``; prints markdown and, when ``$OUT``
-is set, writes it to ``$OUT/dot_gemv_tiles_h200.md``.
+is set, writes it to ``$OUT/dot_gemv_tiles_<gpu>.md``.
 """
 
 from __future__ import annotations

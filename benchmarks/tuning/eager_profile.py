@@ -3,7 +3,7 @@ of each step of ``quantized_linear`` (back-to-back calls, one sync at the end), 
 functions that take the most host time under ``cProfile``.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.eager_profile``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/eager_profile_h200.md``.
+set, writes it to ``$OUT/eager_profile_<gpu>.md``.
 """
 
 from __future__ import annotations

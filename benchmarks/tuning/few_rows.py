@@ -3,7 +3,7 @@ against bf16 ``F.linear``, on the 8B decode layers and the largest benchmark lay
 weight-only scheme the kernels read.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.few_rows``; prints markdown and, when ``$OUT`` is set,
-writes it to ``$OUT/few_rows_h200.md``.
+writes it to ``$OUT/few_rows_<gpu>.md``.
 """
 
 from __future__ import annotations

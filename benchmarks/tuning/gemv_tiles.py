@@ -4,7 +4,7 @@ layout) and pipelining depth, against the dispatcher's launch. Every launch read
 (the eager path).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles [--schemes mxfp4,nvfp4]``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/gemv_tiles_h200.md``.
+set, writes it to ``$OUT/gemv_tiles_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ per call of a loop of back-to-back calls, synchronized once at the end, as an ea
 pays it (host work included).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.launch_costs``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/launch_costs_h200.md``.
+set, writes it to ``$OUT/launch_costs_<gpu>.md``.
 """
 
 from __future__ import annotations

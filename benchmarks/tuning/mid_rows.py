@@ -5,7 +5,7 @@ compared 32-256 rows and 32-128 rows a program against the split-K kernel and de
 cuBLAS; ``mid_rows_h200.md`` keeps that table.)
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.mid_rows``; prints markdown and, when ``$OUT`` is set,
-writes it to ``$OUT/mid_rows_h200.md``.
+writes it to ``$OUT/mid_rows_<gpu>.md``.
 """
 
 from __future__ import annotations

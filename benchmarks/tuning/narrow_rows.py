@@ -10,7 +10,7 @@ timed two ways: replayed in a CUDA graph (kernel time, the reduction included) a
 back to back through the modules' ``LinearPlan`` (what an eager decode pays, host included).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.narrow_rows``; prints markdown and, when
-``$OUT`` is set, writes it to ``$OUT/narrow_rows_h200.md``.
+``$OUT`` is set, writes it to ``$OUT/narrow_rows_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ once with every one-row GEMV unsplit, and each is decoded eagerly against bf16 i
 back-to-back pairs (``benchmarks.tuning._paired_decode``).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.one_row_split_e2e [--sizes 1b,8b]``; prints
-markdown and, when ``$OUT`` is set, writes it to ``$OUT/one_row_split_e2e_h200.md``.
+markdown and, when ``$OUT`` is set, writes it to ``$OUT/one_row_split_e2e_<gpu>.md``.
 """
 
 from __future__ import annotations

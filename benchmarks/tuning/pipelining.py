@@ -11,7 +11,7 @@ The dequantize kernel was swept the same way (several K tiles per program, pipel
 f6d78d5; it stayed within 2% of one tile per program, and that variant was removed.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.pipelining``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/pipelining_h200.md``.
+set, writes it to ``$OUT/pipelining_<gpu>.md``.
 """
 
 from __future__ import annotations

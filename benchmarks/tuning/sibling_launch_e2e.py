@@ -8,7 +8,7 @@ bf16 in back-to-back pairs (``benchmarks.tuning._paired_decode``).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.sibling_launch_e2e [--sizes 1b,8b]
 [--schemes int4,nvfp4,fp8-block]``; prints markdown and, when ``$OUT`` is set, writes it to
-``$OUT/sibling_launch_e2e_h200.md``.
+``$OUT/sibling_launch_e2e_<gpu>.md``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ operand) at 64-4096 rows: a launch sweep against bf16 ``F.linear`` and the dispa
 others; dequantize + cuBLAS beyond), with every launch checked against the float32 product.
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.w4a16_gemm [--schemes int4,mxfp4] [--mid]``; prints
-markdown and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_h200.md`` (``--mid``:
-``$OUT/w4a16_mid_rows_h200.md``).
+markdown and, when ``$OUT`` is set, writes it to ``$OUT/w4a16_gemm_<gpu>.md`` (``--mid``:
+``$OUT/w4a16_mid_rows_<gpu>.md``).
 """
 
 from __future__ import annotations

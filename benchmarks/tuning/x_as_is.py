@@ -5,7 +5,7 @@ the end, host work included).
 
 Run on a CUDA GPU from the repository root:
 ``python -m benchmarks.tuning.x_as_is``; prints markdown and, when ``$OUT`` is set, writes it to
-``$OUT/x_as_is_h200.md``.
+``$OUT/x_as_is_<gpu>.md``.
 """
 
 from __future__ import annotations
