@@ -9,7 +9,11 @@ Run on a CUDA GPU from the repository root:
 ``python benchmarks/compiled_decode.py --size 8b --schemes int4,nvfp4,mxfp4,fp8-block``; prints
 markdown (and writes it to ``$OUT/compiled_decode_<size>.md`` when ``$OUT`` is set). The wall
 ratio is what a user gets; the kernel ratio is what the kernels give; the difference between
-wall and kernel time per token is the host time the decode loop does not overlap."""
+wall and kernel time per token is what the decode loop does not overlap (host time, the eager
+prefill's host time, gaps between kernels). The host events are self times under
+torch.profiler, which stretches some of them (dynamo's cache lookup reads milliseconds a token
+where a sampling profiler finds a tenth of that): ``static_decode_host.py`` times host and GPU
+per step without it."""
 
 from __future__ import annotations
 
