@@ -1,5 +1,6 @@
-"""Launch configurations: a small table tuned on the H200 for Hopper GPUs (H100, H200, GH200,
-H800, H20: the same SM, the same 132-SM launch shapes), safe defaults elsewhere.
+"""Launch configurations: a small table tuned on the H200 for every Hopper GPU (H100, H200,
+GH200, H800, H20 share its SM; the splits and per-SM rules follow each GPU's SM count), safe
+defaults elsewhere.
 
 ``"gemv"`` streams the weight once for a few rows: one row in plain FMAs, and for packed 4-bit
 words up to 32 rows (int4: 64) on tensor-core dots (``qlens.kernels.gemv``); the decode path
