@@ -216,7 +216,6 @@ def main(argv: list[str] | None = None) -> str:
         ]
     )
     publish(text, f"compiled_decode_{args.size}.md")
-    print(text)
     return text
 
 

@@ -26,9 +26,8 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
 import torch  # noqa: E402
 
 from benchmarks._e2e_models import build_model, shapes  # noqa: E402
-from benchmarks._timing import header, publish  # noqa: E402
-
-PROMPT_TOKENS = 32
+from benchmarks._timing import header, median_wall_s, publish  # noqa: E402
+from benchmarks.e2e_model import PROMPT_TOKENS  # noqa: E402
 
 
 class StepClock:
@@ -62,18 +61,6 @@ class StepClock:
         }
 
 
-def wall_s(call: Callable[[], object], repeats: int) -> float:
-    """Median wall seconds of ``call``, synchronized."""
-    walls = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - began)
-    return statistics.median(walls)
-
-
 def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: int) -> dict:
     """Wall microseconds a token over ``repeats`` timed decodes, the eager prefill's wall time
     (a call producing one token: the prompt's forward, no decode step), and the step clock of
@@ -84,8 +71,8 @@ def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: 
     decoder = StaticDecoder(model, prompt.shape[1] + tokens)
     for _ in range(2):  # compiles, records the CUDA graphs
         decoder.generate(prompt, tokens, stop_at_eos=False)
-    whole = wall_s(lambda: decoder.generate(prompt, tokens, stop_at_eos=False), repeats)
-    prefill = wall_s(lambda: decoder.generate(prompt, 1, stop_at_eos=False), repeats)
+    whole = median_wall_s(lambda: decoder.generate(prompt, tokens, stop_at_eos=False), repeats, 0)
+    prefill = median_wall_s(lambda: decoder.generate(prompt, 1, stop_at_eos=False), repeats, 0)
     step = decoder._compiled_step()
     clock = StepClock(step)
     decoder._step = clock
@@ -159,7 +146,6 @@ def main(argv: list[str] | None = None) -> str:
         ]
     )
     publish(text, f"static_decode_host_{args.size}.md")
-    print(text)
     return text
 
 
