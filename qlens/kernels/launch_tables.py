@@ -45,6 +45,9 @@ INT4_PACKED_GEMV_MAX_M = Tuned(64, "tuning/results/mid_rows_h200.md § 2026-12-0
 INT4_LONG_TILE_WEIGHTS = Tuned(4096 * 14336, "tuning/results/gemv_tiles_h200.md § top")
 INT4_LONG_TILE_BLOCK_N = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
 INT4_LONG_TILE_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § top")
+# One-row E2M1 (MXFP4, NVFP4) GEMVs reading x as it is take 8-row tiles pipelined 3 deep.
+E2M1_AS_IS_BLOCK_N = Tuned(8, "tuning/results/gemv_tiles_h200.md § 2026-12-05 17:46 run")
+E2M1_AS_IS_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § 2026-12-05 17:46 run")
 # One-row packed GEMVs with at most this many programs per SM run two warps over longer K.
 TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
 TWO_WARP_BLOCK_K = Tuned(2048, "tuning/results/gemv_tiles_h200.md § top")
@@ -117,6 +120,8 @@ TUNED = {
     "INT4_LONG_TILE_WEIGHTS": INT4_LONG_TILE_WEIGHTS,
     "INT4_LONG_TILE_BLOCK_N": INT4_LONG_TILE_BLOCK_N,
     "INT4_LONG_TILE_STAGES": INT4_LONG_TILE_STAGES,
+    "E2M1_AS_IS_BLOCK_N": E2M1_AS_IS_BLOCK_N,
+    "E2M1_AS_IS_STAGES": E2M1_AS_IS_STAGES,
     "TWO_WARP_MAX_PROGRAMS_PER_SM": TWO_WARP_MAX_PROGRAMS_PER_SM,
     "TWO_WARP_BLOCK_K": TWO_WARP_BLOCK_K,
     "MID_ROWS_GEMM_SPLIT": MID_ROWS_GEMM_SPLIT,

@@ -165,7 +165,9 @@ class LinearPlan:
             assert self.view is not None, "only the kernel route has launches"
             if len(self._configs) >= _MAX_KEPT_CONFIGS:
                 self._configs.clear()
-            config = self._configs[m] = _weight_config(self.view, m, self.device, self.w8a8)
+            config = self._configs[m] = _weight_config(
+                self.view, m, self.device, self.w8a8, x_as_is=self.x_as_is
+            )
         return config
 
     def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:

@@ -106,6 +106,9 @@ SPLIT_LAUNCHES = (
     (("int4", {"group_size": 128}), False, 1, LinearConfig("gemv", 16, 4, 1024, 1, num_warps=1)),
     (("int4", {"group_size": 128}), False, 3, LinearConfig("gemv", 16, 32, 1024, 1)),
     (("nvfp4", {}), False, 16, LinearConfig("gemv", 16, 64, 256)),
+    # One E2M1 row read as it is: 8-row tiles pipelined 3 deep, on one warp or two.
+    (("mxfp4", {}), False, 1, LinearConfig("gemv", 16, 8, 2048, 1, num_warps=2, num_stages=3)),
+    (("nvfp4", {}), False, 1, LinearConfig("gemv", 16, 8, 1024, 1, num_warps=1, num_stages=3)),
     (("fp8-block", {}), False, 1, LinearConfig("gemv", 16, 16, 512, num_stages=4)),
     (("fp8-block", {}), True, 1, LinearConfig("splitk", 16, 64, 128, num_stages=4)),
     (("fp8-block", {}), True, 8, LinearConfig("splitk", 16, 64, 128)),

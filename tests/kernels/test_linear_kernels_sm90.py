@@ -1,6 +1,6 @@
 """The dense quantized-linear launches compiled for sm_90 on the CPU (no GPU needed): the
 GPU-only code the interpreter never runs (inline assembly, Hopper's tensor-core dots) compiles
-for the launches the H200 tables choose, and those launches spill no registers (two known
+for the launches the H200 tables choose, and those launches spill no registers (known
 exceptions, which must not grow). The launches
 come from the real launch plans (``LinearPlan`` on the kernel route), recorded instead of run."""
 
@@ -80,11 +80,17 @@ print(json.dumps(results))
 """
 
 
-# The tensor-core weight-only kernel spills at two launches the H200 tables chose by their
-# measured times (spills included): bytes of stack a thread, which must not grow.
+# Launches that spill, which the H200 tables chose by their measured times (spills included):
+# bytes of stack a thread, which must not grow. The tensor-core weight-only kernel at two row
+# counts; one E2M1 row read as it is on 8-row tiles pipelined 3 deep, on two warps
+# (tuning/results/gemv_tiles_h200.md, 2026-12-05 17:46 run: the fastest launch measured).
 KNOWN_SPILLS = {
     ("mxfp4 48 rows", "_weight_only_kernel"): 344,
     ("fp8-block 8 rows", "_weight_only_kernel"): 784,
+    ("mxfp4 1 rows", "packed_gemv_kernel"): 368,
+    ("nvfp4 1 rows", "packed_gemv_kernel"): 368,
+    ("mxfp4 siblings", "packed_siblings_gemv_kernel"): 368,
+    ("nvfp4 siblings", "packed_siblings_gemv_kernel"): 368,
 }
 
 

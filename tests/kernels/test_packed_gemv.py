@@ -124,7 +124,8 @@ def test_packed_gemv_matches_reference(case, as_is):
     assert word_view(view) is not None  # the word-wise kernel serves it
     bias = torch.randn(40)
     for m, split, block_n, block_k in (
-        (1, 1, 32, 256), (1, 2, 4, 64), (3, 1, 32, 64), (5, 2, 32, 64), (17, 1, 32, 256)
+        (1, 1, 32, 256), (1, 2, 4, 64), (1, 1, 8, 128), (1, 1, 8, 512), (3, 1, 32, 64),
+        (5, 2, 32, 64), (17, 1, 32, 256),
     ):  # fmt: skip
         x = torch.randn(m, 328)
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
