@@ -427,7 +427,7 @@ def test_a_k_split_decode_call_is_the_gemv_and_its_reduction(counts: Counts, mon
 
     module, _ = _linear()
     split = LinearConfig("gemv", 16, 16, 32, split_k=2)  # K = 96: three steps over two splits
-    monkeypatch.setattr(plan, "_weight_config", lambda *args: split)
+    monkeypatch.setattr(plan, "_weight_config", lambda *args, **kwargs: split)
     direct = DirectLaunches(monkeypatch)
     x = torch.randn(1, 96)
     first = module(x)
