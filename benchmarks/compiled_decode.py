@@ -38,6 +38,7 @@ from benchmarks.e2e_model import (  # noqa: E402
     compiled_generate_kwargs,
     decode_call,
     error_cell,
+    for_each_quantized,
     forget_compiled,
     hf_generate,
     static_decoder_generate,
@@ -175,7 +176,6 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    import qlens
 
     shape = shapes(False, None)[args.size]
     device = torch.device("cuda")
@@ -193,13 +193,13 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--loops takes {', '.join(LOOPS)}, got {args.loops}")
     base = build_model(shape, device)
     rows = [measure("bf16", base, work, loop) for loop in loops if loop != "static-unfused"]
-    for scheme in args.schemes.split(","):
-        model = qlens.quantize(base, scheme)
-        rows += [measure(scheme, model, work, loop) for loop in loops]
+
+    def run(scheme: str, model: torch.nn.Module) -> None:
+        rows.extend(measure(scheme, model, work, loop) for loop in loops)
         if args.graph_x_as_is and scheme in ("mxfp4", "nvfp4"):
             rows.append(measure(scheme, model, work, "hf", graph_x="as-is"))
-        del model
-        torch.cuda.empty_cache()
+
+    for_each_quantized(base, args.schemes.split(","), run)
     text = "\n".join(
         [
             header(

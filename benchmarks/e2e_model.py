@@ -245,6 +245,20 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def for_each_quantized(
+    base: nn.Module, schemes: list[str], run: Callable[[str, nn.Module], None]
+) -> None:
+    """``run(scheme, qlens.quantize(base, scheme))`` for each scheme, one quantized model at a
+    time: each is freed before the next is built."""
+    import qlens
+
+    for scheme in schemes:
+        model = qlens.quantize(base, scheme)
+        run(scheme, model)
+        del model
+        free_memory()
+
+
 def measure_bridge(row: Row, model: nn.Module, work: Workload, compiled: bool) -> None:
     """Through ``qlens.load(model)``: prefill, ``run_with_cache`` of every ``hook_resid_post``,
     eager decode without hooks and with one steering hook (and, when ``compiled`` and

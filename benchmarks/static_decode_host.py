@@ -25,9 +25,9 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
 
 import torch  # noqa: E402
 
-from benchmarks._e2e_models import build_model, shapes  # noqa: E402
+from benchmarks._e2e_models import Shape, build_model, shapes  # noqa: E402
 from benchmarks._timing import header, median_wall_s, publish  # noqa: E402
-from benchmarks.e2e_model import PROMPT_TOKENS  # noqa: E402
+from benchmarks.e2e_model import PROMPT_TOKENS, for_each_quantized  # noqa: E402
 
 
 class StepClock:
@@ -59,6 +59,13 @@ class StepClock:
             "gpu_us": statistics.median(gpu),
             "idle_us": statistics.median(idle) if idle else float("nan"),
         }
+
+
+def seeded_prompt(shape: Shape, device: torch.device) -> torch.Tensor:
+    """The decode benchmarks' prompt: ``PROMPT_TOKENS`` random ids of ``shape``'s vocabulary, seed 0."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, shape.config["vocab_size"], (1, PROMPT_TOKENS), generator=gen)
+    return prompt.to(device)
 
 
 def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: int) -> dict:
@@ -117,20 +124,16 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the step clock reads CUDA events)")
-    import qlens
-
     shape = shapes(False, None)[args.size]
     device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, shape.config["vocab_size"], (1, PROMPT_TOKENS), generator=gen)
-    prompt = prompt.to(device)
+    prompt = seeded_prompt(shape, device)
     base = build_model(shape, device)
     rows = {"bf16": measure(base, prompt, args.decode_tokens, args.repeats)}
-    for scheme in args.schemes.split(","):
-        model = qlens.quantize(base, scheme)
+
+    def run(scheme: str, model: torch.nn.Module) -> None:
         rows[scheme] = measure(model, prompt, args.decode_tokens, args.repeats)
-        del model
-        torch.cuda.empty_cache()
+
+    for_each_quantized(base, args.schemes.split(","), run)
     text = "\n".join(
         [
             header(

@@ -27,7 +27,7 @@ import qlens.kernels.ops as ops
 from benchmarks._e2e_models import build_model, shapes
 from benchmarks._timing import header, publish
 from benchmarks.e2e_model import PROMPT_TOKENS
-from benchmarks.static_decode_host import measure, table
+from benchmarks.static_decode_host import measure, seeded_prompt, table
 from qlens.kernels import configs, launch_tables
 
 NEW_LAUNCH = (launch_tables.E2M1_AS_IS_BLOCK_N, launch_tables.E2M1_AS_IS_STAGES)
@@ -71,9 +71,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     shape = shapes(False, None)["8b"]
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, shape.config["vocab_size"], (1, PROMPT_TOKENS), generator=gen)
-    prompt = prompt.cuda()
+    prompt = seeded_prompt(shape, torch.device("cuda"))
     base = build_model(shape, torch.device("cuda"))
     if args.part == "eager":
         lines = ["| model | one-row E2M1 launch | eager tok/s | vs bf16 |", "|---|---|---|---|"]

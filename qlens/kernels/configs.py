@@ -142,9 +142,10 @@ def choose_config(
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
     ``int4``: its words hold symmetric int4 codes, whose cheaper decode takes longer tiles on
     large layers; ``e2m1_as_is``: its words hold E2M1 codes and one row is read as the caller
-    holds it (not regrouped), which takes narrower, pipelined tiles. Choices are kept per shape and device (an eager call pays a dictionary lookup,
-    not the table walk: on the H200 host the walk took about 60 us a call). W8A8's single row
-    takes the weight-only GEMV, which reads it rounded to FP8 (one launch, no quantizing one).
+    holds it (not regrouped), which takes narrower, pipelined tiles. Choices are kept per shape
+    and device (an eager call pays a dictionary lookup, not the table walk: on the H200 host the
+    walk took about 60 us a call). W8A8's single row takes the weight-only GEMV, which reads it
+    rounded to FP8 (one launch, no quantizing one).
     """
     if w8a8 and m == 1:
         w8a8 = False

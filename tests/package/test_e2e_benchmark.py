@@ -196,3 +196,25 @@ def test_a_shape_whose_model_cannot_be_built_reports_it(monkeypatch):
             },
         )
     ]
+
+
+def test_for_each_quantized_hands_over_one_quantized_model_at_a_time():
+    """Each scheme's model is quantized from the base and let go before the next is built."""
+    import weakref
+
+    from qlens.modules import QuantLinear
+
+    base = models.build_model(models.shapes(True, None)["1b"], torch.device("cpu"))
+    seen: list[tuple[str, int]] = []
+    alive: list[weakref.ref] = []
+
+    def run(scheme: str, model: torch.nn.Module) -> None:
+        assert all(ref() is None for ref in alive), "the previous model is still held"
+        alive.append(weakref.ref(model))
+        seen.append((scheme, sum(isinstance(m, QuantLinear) for m in model.modules())))
+
+    e2e_model.for_each_quantized(base, ["int4", "nvfp4"], run)
+    assert [s for s, _ in seen] == ["int4", "nvfp4"]
+    assert all(count > 0 for _, count in seen), seen
+    assert all(ref() is None for ref in alive)
+    assert not any(isinstance(m, QuantLinear) for m in base.modules())  # the base is untouched
