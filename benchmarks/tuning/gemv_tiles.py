@@ -3,8 +3,9 @@ program, K per loop step, warps (side by side along K, 1024 K each, so ``x`` kee
 layout) and pipelining depth, against the dispatcher's launch. Every launch reads ``x`` as it is
 (the eager path).
 
-Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles [--schemes mxfp4,nvfp4]``; prints markdown and, when ``$OUT`` is
-set, writes it to ``$OUT/gemv_tiles_<gpu>.md``.
+Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles [--schemes mxfp4,nvfp4]
+[--launches 8x1024w1st3,4x2048w2st1]``; prints markdown and, when ``$OUT`` is set, writes it to
+``$OUT/gemv_tiles_<gpu>.md``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,31 @@ CONFIGS = tuple(
 )
 
 
+def chosen_launches(spec: str | None) -> tuple[LinearConfig, ...]:
+    """The launches ``spec`` names (``"8x1024w1st3,4x2048w2st1"``: rows, K, warps, stages), or
+    every launch of ``LAUNCHES`` without one."""
+    if not spec:
+        return CONFIGS
+    configs = []
+    for item in spec.split(","):
+        rows_k, rest = item.split("w")
+        warps, stages = rest.split("st")
+        bn, bk = rows_k.split("x")
+        configs.append(
+            LinearConfig("gemv", 16, int(bn), int(bk), num_warps=int(warps), num_stages=int(stages))
+        )
+    return tuple(configs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--schemes", help="comma-separated packed 4-bit schemes; default all")
+    parser.add_argument(
+        "--launches", help="comma-separated launches, as 8x1024w1st3 (rows, K, warps, stages)"
+    )
     args = parser.parse_args()
     schemes = select_schemes(PACKED_4BIT_SCHEMES, args.schemes)
-    rows = launch_sweep(SHAPES, (1,), schemes, CONFIGS)
+    rows = launch_sweep(SHAPES, (1,), schemes, chosen_launches(args.launches))
     publish(header("One-row word-wise GEMV tiles") + "\n".join(rows), "gemv_tiles_h200.md")
 
 

@@ -71,20 +71,29 @@ def _group_values(ptr, offs_n, groups, N, n_groups, stride, GROUP_N: tl.constexp
 @no_type_check
 def _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride, FAMILY: tl.constexpr,
             GROUP_N: tl.constexpr, SCALE_E8M0: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
-    """float32 multipliers of the groups, the NVFP4 global folded in as the codec does.
+    """float32 multipliers ``[BN, C]`` of the groups ``groups`` (``[1, C]``) of rows ``offs_n``."""
+    rows = (offs_n // GROUP_N)[:, None]
+    mask = (offs_n < N)[:, None] & (groups < n_groups)
+    return scale_values(scale_ptr, global_ptr, rows * stride + groups, mask, FAMILY, SCALE_E8M0,
+                        GLOBAL_DIVIDE)  # fmt: skip
+
+
+@triton.jit
+@no_type_check
+def scale_values(scale_ptr, global_ptr, offsets, mask, FAMILY: tl.constexpr,
+                 SCALE_E8M0: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
+    """float32 multipliers of the scales at ``offsets`` (any shape), the NVFP4 global folded in
+    as the codec does; masked lanes read a finite scale.
 
     uint8 scales are E8M0 (``SCALE_E8M0``) or E4M3 bit patterns (NVFP4 in the tensor-core
     GEMV, decoded by bit operations); float8 and wider ones convert directly."""
     if SCALE_E8M0:
-        s = e8m0_to_f32(_group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 127))
+        s = e8m0_to_f32(tl.load(scale_ptr + offsets, mask=mask, other=127))
     elif scale_ptr.dtype.element_ty == tl.uint8:
         # 0x38 is E4M3 1.0: masked groups stay finite.
-        s = e4m3_to_f32(
-            _group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 0x38)
-        )
+        s = e4m3_to_f32(tl.load(scale_ptr + offsets, mask=mask, other=0x38))
     else:
-        s = _group_values(scale_ptr, offs_n, groups, N, n_groups, stride, GROUP_N, 1.0)
-        s = s.to(tl.float32)
+        s = tl.load(scale_ptr + offsets, mask=mask, other=1.0).to(tl.float32)
     if FAMILY == NVFP4_C:
         g = tl.load(global_ptr)
         if GLOBAL_DIVIDE:

@@ -12,16 +12,17 @@ hot loop) and every code is decoded exactly in a few integer operations:
   at a time. The factor ``2**14`` is applied with the group scale.
 
 For one row each code meets ``x`` in float32 FMAs; the products of one tile are summed per word
-and multiplied by the group scale once per word instead of once per code. The product is
-``[N, words]`` and ``x`` is read as ``[1, words]``: with the warps side by side along K
-(``BLOCK_K = 1024 * num_warps``) both take the same register layout, so each thread reuses its
-activations for all its rows (other tiles stay correct but pay a shared-memory exchange per
-code position); it reads ``x`` in the caller's layout and dtype, as one contiguous
-``[words, 8]`` load split into the eight code positions in registers, so a call launches
-nothing but the GEMV. For two rows or more the decoded, scaled codes feed tensor-core dots,
-one per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
-``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code
-position (``qlens.kernels.code_order.permute_codes``).
+and multiplied by the group scale once per word instead of once per code. A row read as the
+caller holds it (any float dtype, so a call launches nothing but the GEMV) is tiled as quads of
+words: each thread loads four consecutive words of a weight row (16 bytes) and the 32
+activations they meet (four 16-byte loads, split into the eight code positions in registers),
+and both tiles put a quad's word ``c`` in the same register of the same thread, so decoded codes
+meet their activations without crossing shared memory and every thread reuses its activations
+for all its rows. A row regrouped by code position (``qlens.kernels.code_order.permute_codes``,
+float32; compiled graphs regroup E2M1 rows) is read as ``[1, words]`` per code position in the
+words' own layout. For two rows or more the decoded, scaled codes feed tensor-core dots, one
+per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
+``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code position.
 """
 
 from typing import no_type_check
@@ -29,7 +30,14 @@ from typing import no_type_check
 import triton
 import triton.language as tl
 
-from qlens.kernels.decode import INT4_C, _expand, _group_values, _scales, _tile_groups
+from qlens.kernels.decode import (
+    INT4_C,
+    _expand,
+    _group_values,
+    _scales,
+    _tile_groups,
+    scale_values,
+)
 from qlens.kernels.splits import store_tile
 from qlens.kernels.weight_only import _dot_acc
 
@@ -41,6 +49,19 @@ E2M1_SIGN_MASK = 0x80008000
 E2M1_FP16_FACTOR = 16384.0  # E2M1 value = fp16 value * 2**14
 INT4_MAGIC_BITS = 0x4B000000  # float32 2**23
 
+
+def quads_lead(version: str = triton.__version__) -> bool:
+    """Whether the quads of words lead the dimensions of a one-row tile read as it is.
+
+    Triton's coalescing hands the lanes of a load to its non-contiguous dimensions in index
+    order up to 3.6 and in reverse order from 3.7 (sm_90 compiles of 3.6.0, 3.7.1, 3.8.0 and
+    3.9.0): the quads must come first for the former and last for the latter, so that a quad's
+    words and activations stay in one thread and no decoded tile crosses shared memory."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
+QUADS_LEAD = tl.constexpr(quads_lead())
 _MAGNITUDE_C = tl.constexpr(E2M1_MAGNITUDE_MASK)
 _SIGN_C = tl.constexpr(E2M1_SIGN_MASK)
 _FACTOR_C = tl.constexpr(E2M1_FP16_FACTOR)
@@ -166,60 +187,28 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 
 @triton.jit
 @no_type_check
-def _natural_x(row, offs_w, K, WORDS: tl.constexpr, MASK_K: tl.constexpr):
-    """The eight code positions of ``x`` read as the caller holds it: ``x[8 w + j]`` for
-    ``j = 0..7``, each ``[1, WORDS]`` float32, from one contiguous ``[1, WORDS, 8]`` load
-    split in registers (three halvings of the last axis)."""
-    offs = offs_w[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    if MASK_K:
-        x = tl.load(row[:, :, None] + offs, mask=offs < K, other=0.0)
-    else:
-        x = tl.load(row[:, :, None] + offs)
-    x = x.to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, (1, WORDS, 4, 2)))  # j = 2a, 2a + 1
-    e0, e1 = tl.split(tl.reshape(even, (1, WORDS, 2, 2)))  # j in (0, 4), (2, 6)
-    o0, o1 = tl.split(tl.reshape(odd, (1, WORDS, 2, 2)))  # j in (1, 5), (3, 7)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-@no_type_check
 def _fma_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
-    X_NATURAL: tl.constexpr,
 ):  # fmt: skip
     """``acc[n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile and the one
-    row ``offs_m`` (``[1]``) of ``x``, in FMAs.
-
-    ``x`` is read as ``[1, words]``; with the warps side by side along K it takes the words' own
-    layout, so each thread reuses its ``x`` registers for all its rows. ``X_NATURAL``: ``x`` as
-    the caller holds it (row-major, any float dtype), code ``j`` of word ``w`` at ``8 w + j``;
-    else regrouped as float32 (``permute_codes``), code ``j`` at ``j * stride_xj + w``.
-    """
+    row ``offs_m`` (``[1]``) of ``x`` regrouped as float32 (``permute_codes``: code ``j`` of word
+    ``w`` at ``j * stride_xj + w``), in FMAs. Each code position is read as ``[1, words]``,
+    which takes the words' own layout."""
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
     row = xp_ptr + offs_m[:, None] * stride_xm
-    if X_NATURAL:
-        xs = _natural_x(row, offs_w, K, BLOCK_K // 8, MASK_K)
-    else:
-        x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
+    x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
     scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        if X_NATURAL:
-            x = xs[j]
-        elif MASK_K:
+        if MASK_K:
             x = tl.load(row + offs_w + j * stride_xj, mask=x_ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(row + offs_w + j * stride_xj).to(tl.float32)
@@ -228,6 +217,105 @@ def _fma_tile(
             part = w * x
         else:
             part += w * x
+    if FAMILY == INT4_C:
+        return acc + part * scale
+    else:
+        return acc + (part * _FACTOR_C) * scale
+
+
+@triton.jit
+@no_type_check
+def _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_word, N, K, stride_s,
+                 FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
+    """float32 scale and zero point (the constant 8 without zero points) of the words of rows
+    ``offs_n`` at K offsets ``k_word`` (``[A, 1, B]``), as ``[A, BLOCK_N, B]``."""
+    groups = k_word // GROUP_K
+    rows = offs_n[None, :, None]
+    mask = (rows < N) & (groups < tl.cdiv(K, GROUP_K))
+    offsets = rows * stride_s + groups
+    s = scale_values(scale_ptr, global_ptr, offsets, mask, FAMILY, SCALE_E8M0, GLOBAL_DIVIDE)
+    if HAS_ZEROS:
+        return s, tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
+    else:
+        return s, 8.0
+
+
+@triton.jit
+@no_type_check
+def _fma_quads(
+    acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
+    stride_xm, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """``_fma_tile`` for the row ``offs_m`` of ``x`` as the caller holds it (code ``j`` of word
+    ``w`` at ``8 w + j``, any float dtype), on quads of words: word ``4 q + c`` of the tile and
+    row ``n`` is ``acc[q, n, c]`` (``QUADS_LEAD``) or ``acc[c, n, q]``. A thread's quad is one
+    16-byte load of words and four of activations (``[.., 8]``, split into the eight code
+    positions in registers), both in the same registers of the same thread."""
+    QUADS: tl.constexpr = BLOCK_K // 32
+    if QUADS_LEAD:
+        offs_q = tl.arange(0, QUADS)[:, None, None]
+        offs_c = tl.arange(0, 4)[None, None, :]
+        LEAD: tl.constexpr = QUADS
+        LAST: tl.constexpr = 4
+    else:
+        offs_q = tl.arange(0, QUADS)[None, None, :]
+        offs_c = tl.arange(0, 4)[:, None, None]
+        LEAD: tl.constexpr = 4
+        LAST: tl.constexpr = QUADS
+    word = k0 // 8 + offs_q * 4 + offs_c  # [LEAD, 1, LAST]
+    rows = offs_n[None, :, None]
+    w_ptrs = words_ptr + rows * stride_w + word
+    if MASK_K:
+        words = tl.load(w_ptrs, mask=(rows < N) & (word * 8 < K), other=0)
+    elif MASK_N:
+        words = tl.load(w_ptrs, mask=rows < N, other=0)
+    else:
+        words = tl.load(w_ptrs)
+    words = words.to(tl.uint32, bitcast=True)
+    offs_x = word[:, :, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+    x_row = x_ptr + offs_m[:, None, None, None] * stride_xm
+    if MASK_K:
+        x = tl.load(x_row + offs_x, mask=offs_x < K, other=0.0)
+    else:
+        x = tl.load(x_row + offs_x)
+    x = x.to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (LEAD, 1, LAST, 4, 2)))  # j = 2a, 2a + 1
+    e0, e1 = tl.split(tl.reshape(even, (LEAD, 1, LAST, 2, 2)))  # j in (0, 4), (2, 6)
+    o0, o1 = tl.split(tl.reshape(odd, (LEAD, 1, LAST, 2, 2)))  # j in (1, 5), (3, 7)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+    if GROUP_K >= 32:  # a quad of words lies in one group
+        scale, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0 + offs_q * 32, N,
+                                   K, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                                   GLOBAL_DIVIDE)  # fmt: skip
+    else:  # groups of 16 (NVFP4): two words a group, read once and repeated in registers
+        if QUADS_LEAD:
+            k_pair = k0 + offs_q * 32 + tl.arange(0, 2)[None, None, :] * 16  # [Q, 1, 2]
+        else:
+            k_pair = k0 + offs_q * 32 + tl.arange(0, 2)[:, None, None] * 16  # [2, 1, Q]
+        pair, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_pair, N, K,
+                                  stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                                  GLOBAL_DIVIDE)  # fmt: skip
+        if QUADS_LEAD:
+            scale = tl.reshape(tl.broadcast_to(pair[:, :, :, None], (QUADS, BLOCK_N, 2, 2)),
+                               (QUADS, BLOCK_N, 4))  # fmt: skip
+        else:
+            scale = tl.reshape(tl.broadcast_to(pair[:, None, :, :], (2, 2, BLOCK_N, QUADS)),
+                               (4, BLOCK_N, QUADS))  # fmt: skip
+    state = _code_values(words, FAMILY, USE_ASM)
+    for j in tl.static_range(8):
+        w = _code(state, zero, j, FAMILY, USE_ASM)
+        if j == 0:
+            part = w * xs[j]
+        else:
+            part += w * xs[j]
     if FAMILY == INT4_C:
         return acc + part * scale
     else:
@@ -335,19 +423,42 @@ def packed_gemv_kernel(
             stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
             BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
         )  # fmt: skip
-    else:  # one row (BLOCK_M == 1)
+    elif X_NATURAL:  # one row as the caller holds it
+        if QUADS_LEAD:
+            acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 4), dtype=tl.float32)
+        else:
+            acc = tl.zeros((4, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
+            acc = _fma_quads(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
+                K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
+            )  # fmt: skip
+        if k_full < k_end:
+            acc = _fma_quads(
+                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
+                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
+            )  # fmt: skip
+        # [BLOCK_N, words] in word order, summed as the regrouped row's tiles are
+        if QUADS_LEAD:
+            acc = tl.permute(acc, (1, 0, 2))
+        else:
+            acc = tl.permute(acc, (1, 2, 0))
+        total = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), axis=1)[None, :]
+    else:  # one row regrouped (BLOCK_M == 1)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
                 K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_NATURAL,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
             )  # fmt: skip
         if k_full < k_end:
             acc = _fma_tile(
                 acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
                 N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_NATURAL,
+                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
             )  # fmt: skip
         total = tl.sum(acc, axis=1)[None, :]
     store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,

@@ -13,37 +13,17 @@ words. ``tools`` is Triton's NVIDIA backend ``bin`` folder
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from benchmarks._sm90 import compile_for_sm90, nvidia_tools, stack_bytes
 
-TYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.uint8: "u8",
-    torch.int8: "i8",
-    torch.float8_e4m3fn: "fp8e4nv",
-}
-
-
-def nvidia_tools() -> Path | None:
-    """Triton's NVIDIA backend tools, or None where they are missing."""
-    spec = importlib.util.find_spec("triton")
-    if spec is None or spec.origin is None:
-        return None
-    tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin"
-    return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
+__all__ = ["compile_sm90", "nvidia_tools", "run_compile_script", "word_load_bytes"]
 
 
 def run_compile_script(script: str) -> list[dict[str, Any]]:
@@ -64,58 +44,12 @@ def run_compile_script(script: str) -> list[dict[str, Any]]:
 
 
 def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[str, Any]:
-    """Stack bytes and tensor-core use of ``kernel`` compiled for sm_90 with these arguments."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    # Specialized as a launch specializes them: 16-byte aligned tensors and integers divisible
-    # by 16 marked so (vector loads follow from it), integers equal to 1 made constant.
-    signature, constants, attrs = {}, {}, {}
-    divisible = [["tt.divisibility", 16]]
-    for i, param in enumerate(kernel.params):
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[(i,)] = options[param.name]
-        elif isinstance(args[i], torch.Tensor):
-            signature[param.name] = "*" + TYPES[args[i].dtype]
-            if args[i].data_ptr() % 16 == 0:
-                attrs[(i,)] = divisible
-        elif args[i] is None or args[i] == 1:
-            signature[param.name] = "constexpr"
-            constants[(i,)] = args[i]
-        else:
-            signature[param.name] = "i32" if -(2**31) <= args[i] < 2**31 else "i64"
-            if args[i] % 16 == 0:
-                attrs[(i,)] = divisible
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constants, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        # Triton's defaults where the launch leaves them out
-        options={
-            "num_warps": options.get("num_warps", 4),
-            "num_stages": options.get("num_stages", 3),
-        },
-    )
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    finally:
-        os.unlink(f.name)
-    fields = dict(
-        item.split(":")
-        for item in usage.split("REG:")[-1].replace("REG", "").split()
-        if ":" in item
-    )
+    """Stack bytes and tensor-core use of ``kernel`` compiled for sm_90 with these arguments
+    (specialized as a launch specializes them: ``benchmarks._sm90.compile_for_sm90``)."""
+    compiled = compile_for_sm90(kernel, args, options)
     ptx = compiled.asm["ptx"]
     return {
-        "stack": int(fields["STACK"]),
+        "stack": stack_bytes(compiled, tools),
         "wgmma": "wgmma" in ptx,
         "mma": "mma.sync" in ptx or "wgmma" in ptx,
         "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
@@ -125,11 +59,15 @@ def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[st
 
 def word_load_bytes(ttgir: str) -> int | None:
     """Fewest bytes one thread loads at once from an int32 tensor (the packed words), read
-    from the layouts of the kernel's loads; None without such loads."""
+    from the layouts of the kernel's loads (elements a thread holds along the layout's fastest
+    dimension); None without such loads."""
     layouts = {
-        name: int(per_thread.split(",")[-1])
-        for name, per_thread in re.findall(
-            r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M
+        name: [int(v) for v in per_thread.split(",")][int(order.split(",")[0])]
+        for name, per_thread, order in re.findall(
+            r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*?"
+            r"order = \[([\d, ]+)\]",
+            ttgir,
+            re.M,
         )
     }
     loads = re.findall(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
-from qlens.kernels import LinearConfig, gemv, quantized_linear
+from qlens.kernels import LinearConfig, gemv, packed_gemv, quantized_linear
 from qlens.kernels.code_order import permute_codes
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import word_view
@@ -131,6 +131,33 @@ def test_packed_gemv_matches_reference(case, as_is):
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
         out = gemv.prepare_gemv(view, m, x.dtype, True, cfg, x_as_is=as_is)(x, bias)
         assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
+
+
+@pytest.mark.parametrize("lead", (True, False), ids=("quads-lead", "quads-last"))
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+def test_a_row_read_as_it_is_sums_what_the_regrouped_row_sums(case, lead, monkeypatch):
+    """Both arrangements of the quad tiles (the one each Triton version's coalescing keeps in
+    registers, ``quads_lead``) give the regrouped row's result bit for bit, over full tiles, a
+    ragged K tail, a partial N tile and K splits."""
+    import triton.language as tl
+
+    monkeypatch.setattr(packed_gemv, "QUADS_LEAD", tl.constexpr(lead))
+    payload = quantized(40, 1064, case)  # K: 1024 and a ragged tail of 40
+    view = kernel_weight(payload)
+    x, bias = torch.randn(1, 1064), torch.randn(40)
+    for split, block_n, block_k in ((1, 8, 1024), (1, 4, 256), (2, 8, 128), (1, 16, 64)):
+        cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
+        as_is = gemv.prepare_gemv(view, 1, x.dtype, True, cfg, x_as_is=True)(x, bias)
+        regrouped = gemv.prepare_gemv(view, 1, x.dtype, True, cfg, x_as_is=False)(x, bias)
+        assert torch.equal(as_is, regrouped), (split, block_n, block_k)
+        assert rel_err(as_is, _reference(x, payload, bias)) < TOLERANCE[torch.float32]
+
+
+def test_quads_lead_up_to_triton_3_6_only():
+    assert packed_gemv.quads_lead("3.6.0") and packed_gemv.quads_lead("3.5.1")
+    assert not packed_gemv.quads_lead("3.7.1")
+    assert not packed_gemv.quads_lead("3.9.0+git1234")
+    assert not packed_gemv.quads_lead("4.0.0")
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)

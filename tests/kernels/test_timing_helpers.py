@@ -127,3 +127,29 @@ def test_result_files_are_named_after_the_gpu_that_ran():
     assert timing.result_filename("x_as_is_h200.md", "NVIDIA H100 80GB HBM3") == "x_as_is_h100.md"
     assert timing.result_filename("x_as_is_h200.md", "NVIDIA H200") == "x_as_is_h200.md"
     assert timing.result_filename("compiled_decode_8b.md", "NVIDIA H100") == "compiled_decode_8b.md"
+
+
+def test_gemv_tiles_reads_the_launches_it_is_given():
+    from benchmarks.tuning.gemv_tiles import CONFIGS, chosen_launches
+
+    assert chosen_launches(None) == CONFIGS
+    assert chosen_launches("8x1024w1st3,16x512w2st1") == (
+        LinearConfig("gemv", 16, 8, 1024, num_warps=1, num_stages=3),
+        LinearConfig("gemv", 16, 16, 512, num_warps=2, num_stages=1),
+    )
+
+
+def test_sass_loops_counts_the_body_of_each_backward_branch():
+    from benchmarks._sm90 import sass_loops
+
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R4, [R2.64] ;
+        /*0020*/                   FFMA R8, R4, R5, R8 ;
+        /*0030*/                   LOP3.LUT R9, R4, 0xf, RZ, 0xc0, !PT ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   STG.E [R2.64], R8 ;
+        /*0060*/                   BRA 0x60 ;
+    """
+    # the branch to itself ending every kernel is not a loop
+    assert sass_loops(listing) == [{"LDG.E.128": 1, "FFMA": 1, "LOP3.LUT": 1, "BRA": 1}]
