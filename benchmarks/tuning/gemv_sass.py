@@ -1,11 +1,13 @@
-"""What the one-row packed GEMV's K loop executes, counted in its sm_90 SASS, for the launch the
-H200 tables give each 8B decode layer and scheme: no GPU needed (Triton compiles for sm_90 on
-any machine), so kernels can be compared before they are timed. The one-row GEMV is bound by
-instruction issue (``results/kernels_notes.md`` items 28 and 33): fewer instructions a code
-and no shared-memory exchange in the loop are what a change must show here first.
+"""What a one-row GEMV's K loop executes (the packed 4-bit and the byte-wise kernels), counted
+in its sm_90 SASS, for the launch the H200 tables give each 8B decode layer and scheme. No GPU
+is needed (Triton compiles for sm_90 on any machine), so kernels can be compared before they
+are timed. The one-row packed GEMV is bound by instruction issue (``results/kernels_notes.md``
+items 28 and 33): fewer instructions a code and no shared-memory exchange in the loop are what
+a change must show here first.
 
 Run from the repository root, without ``TRITON_INTERPRET``:
-``python -m benchmarks.tuning.gemv_sass [--schemes int4,mxfp4,nvfp4]``; prints markdown.
+``python -m benchmarks.tuning.gemv_sass [--schemes int4,mxfp4,nvfp4,fp8-block]``; prints
+markdown.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ SHARED_MEMORY_OPS = ("STS", "LDS", "LDSM", "BAR")
 
 
 def recorded_launch(scheme: str, n: int, k: int) -> tuple:
-    """The packed GEMV launch (kernel, arguments, options) the H200 tables give one row of
-    ``x`` as it is on an ``[n, k]`` weight, recorded instead of run (CPU tensors stand in)."""
+    """The GEMV launch (kernel, arguments, options) the H200 tables give one row of ``x`` as it
+    is on an ``[n, k]`` weight, recorded instead of run (CPU tensors stand in)."""
     import qlens.kernels.configs as configs
     import qlens.kernels.dispatch as dispatch
     from qlens.kernels.fast_launch import PreparedLaunch
@@ -84,7 +86,7 @@ def main() -> None:
     if tools is None:
         sys.exit("Triton's NVIDIA backend tools (ptxas, cuobjdump) are missing")
     lines = [
-        "# The one-row packed GEMV's K loop in sm_90 SASS",
+        "# One-row GEMVs' K loops in sm_90 SASS",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- compiled on the CPU for sm_90: triton {triton.__version__}, torch {torch.__version__},"

@@ -174,6 +174,24 @@ def decode_byte_tile(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """float32 ``W[n, k0:k0 + BLOCK_K]`` of a one-byte-per-element weight (e4m3 or int8)."""
+    w, s = byte_tile_codes(
+        data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, offs_n, k0, N, K, stride_d, stride_s,
+        FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+    )  # fmt: skip
+    return w * s
+
+
+@triton.jit
+@no_type_check
+def byte_tile_codes(
+    data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, scale_rows, k0, N, K, stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The float32 codes ``[BLOCK_N, BLOCK_K]`` of a one-byte-per-element weight (e4m3, or int8
+    less its zero points) at rows ``offs_n``, and the multipliers ``[R, BLOCK_K]`` of rows
+    ``scale_rows`` (``R`` rows: ``offs_n``, or its first row when all rows share their scales)."""
     n_groups = tl.cdiv(K, GROUP_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if EVEN_K:
@@ -183,9 +201,9 @@ def decode_byte_tile(
     q = tl.load(data_ptr + offs_n[:, None] * stride_d + offs_k[None, :], mask=mask, other=0)
     groups = _tile_groups(k0, GROUP_K, BLOCK_K)
     s = _expand(
-        _scales(scale_ptr, global_ptr, offs_n, groups, N, n_groups, stride_s, FAMILY, GROUP_N,
+        _scales(scale_ptr, global_ptr, scale_rows, groups, N, n_groups, stride_s, FAMILY, GROUP_N,
                 SCALE_E8M0, GLOBAL_DIVIDE),
-        BLOCK_N, BLOCK_K, GROUP_K, BLOCK_K > GROUP_K,
+        scale_rows.shape[0], BLOCK_K, GROUP_K, BLOCK_K > GROUP_K,
     )  # fmt: skip
     if FAMILY == INT8_C:
         if HAS_ZEROS:
@@ -196,4 +214,4 @@ def decode_byte_tile(
             w = q.to(tl.float32)
     else:  # e4m3 bytes, passed as uint8 so that masked lanes load +0.0
         w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return w * s
+    return w, s

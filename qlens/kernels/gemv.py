@@ -21,7 +21,7 @@ from torch import Tensor
 
 from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
-from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
+from qlens.kernels.decode import byte_tile_codes, decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.layout_view import FP8_BLOCK, INT4
@@ -39,6 +39,19 @@ PACKED_GEMV = FastLaunch(packed_gemv_kernel)
 
 @triton.jit
 @no_type_check
+def _byte_row(x_row, k0, K, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+              ROUND_X: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """``x[k0:k0 + BLOCK_K]`` as float32 ``[1, BLOCK_K]`` (zero past K), rounded to per-token
+    FP8 as W8A8 reads it (``ROUND_X``)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
+    if ROUND_X:
+        x = fp8_rounded_row(x, BLOCK_K, GROUP_K, INTERPRET)
+    return x[None, :]
+
+
+@triton.jit
+@no_type_check
 def _gemv_kernel(
     x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
@@ -51,6 +64,7 @@ def _gemv_kernel(
     """``ROUND_X`` (byte-wise weights): each ``GROUP_K`` of ``x`` is read as W8A8 reads it,
     rounded to per-token FP8 (``fp8_rounded_row``)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_row = tl.program_id(0) * BLOCK_N + tl.arange(0, 1)
     row = tl.program_id(1)
     pid_k = tl.program_id(2)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -72,17 +86,20 @@ def _gemv_kernel(
             x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
             x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
             acc += even * x_even[None, :] + odd * x_odd[None, :]
+        elif GROUP_N % BLOCK_N == 0:  # the tile's rows share their scales: x takes them
+            w, s = byte_tile_codes(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, first_row, k0, N, K,
+                stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            acc += w * (_byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET) * s)
         else:
             w = decode_byte_tile(
                 data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
                 FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
                 EVEN_K,
             )  # fmt: skip
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
-            if ROUND_X:
-                x = fp8_rounded_row(x, BLOCK_K, GROUP_K, INTERPRET)
-            acc += w * x[None, :]
+            acc += w * _byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET)
     total = tl.sum(acc, axis=1)
     store_tile(total[None, :], out_ptr, partial_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M,
                N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
