@@ -243,6 +243,19 @@ def _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_word, N, K, stride_s
 
 @triton.jit
 @no_type_check
+def _pairs_to_quads(pairs, BLOCK_N: tl.constexpr, QUADS: tl.constexpr):
+    """Per-pair values of a quad's words (``[Q, BLOCK_N, 2]`` or ``[2, BLOCK_N, Q]``) repeated
+    for both words of each pair (``[Q, BLOCK_N, 4]`` or ``[4, BLOCK_N, Q]``)."""
+    if QUADS_LEAD:
+        wide = tl.broadcast_to(pairs[:, :, :, None], (QUADS, BLOCK_N, 2, 2))
+        return tl.reshape(wide, (QUADS, BLOCK_N, 4))
+    else:
+        wide = tl.broadcast_to(pairs[:, None, :, :], (2, 2, BLOCK_N, QUADS))
+        return tl.reshape(wide, (4, BLOCK_N, QUADS))
+
+
+@triton.jit
+@no_type_check
 def _fma_quads(
     acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
     stride_xm, stride_w, stride_s,
@@ -295,20 +308,17 @@ def _fma_quads(
         scale, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0 + offs_q * 32, N,
                                    K, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
                                    GLOBAL_DIVIDE)  # fmt: skip
-    else:  # groups of 16 (NVFP4): two words a group, read once and repeated in registers
+    else:  # groups of 16 (the kernels' least): two words a group, read once, repeated
         if QUADS_LEAD:
             k_pair = k0 + offs_q * 32 + tl.arange(0, 2)[None, None, :] * 16  # [Q, 1, 2]
         else:
             k_pair = k0 + offs_q * 32 + tl.arange(0, 2)[:, None, None] * 16  # [2, 1, Q]
-        pair, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_pair, N, K,
-                                  stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                                  GLOBAL_DIVIDE)  # fmt: skip
-        if QUADS_LEAD:
-            scale = tl.reshape(tl.broadcast_to(pair[:, :, :, None], (QUADS, BLOCK_N, 2, 2)),
-                               (QUADS, BLOCK_N, 4))  # fmt: skip
-        else:
-            scale = tl.reshape(tl.broadcast_to(pair[:, None, :, :], (2, 2, BLOCK_N, QUADS)),
-                               (4, BLOCK_N, QUADS))  # fmt: skip
+        scale, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_pair, N, K,
+                                   stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                                   GLOBAL_DIVIDE)  # fmt: skip
+        scale = _pairs_to_quads(scale, BLOCK_N, QUADS)
+        if HAS_ZEROS:
+            zero = _pairs_to_quads(zero, BLOCK_N, QUADS)
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
         w = _code(state, zero, j, FAMILY, USE_ASM)

@@ -134,11 +134,16 @@ def test_packed_gemv_matches_reference(case, as_is):
 
 
 @pytest.mark.parametrize("lead", (True, False), ids=("quads-lead", "quads-last"))
-@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+@pytest.mark.parametrize(
+    "case",
+    (*FAMILIES, ("int4", {"group_size": 16, "asymmetric": True})),
+    ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])),
+)
 def test_a_row_read_as_it_is_sums_what_the_regrouped_row_sums(case, lead, monkeypatch):
     """Both arrangements of the quad tiles (the one each Triton version's coalescing keeps in
     registers, ``quads_lead``) give the regrouped row's result bit for bit, over full tiles, a
-    ragged K tail, a partial N tile and K splits."""
+    ragged K tail, a partial N tile and K splits; groups span quads (32-128) or pairs of words
+    (16, with zero points)."""
     import triton.language as tl
 
     monkeypatch.setattr(packed_gemv, "QUADS_LEAD", tl.constexpr(lead))
