@@ -62,7 +62,9 @@ def _gemv_kernel(
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``ROUND_X`` (byte-wise weights): each ``GROUP_K`` of ``x`` is read as W8A8 reads it,
-    rounded to per-token FP8 (``fp8_rounded_row``)."""
+    rounded to per-token FP8 (``fp8_rounded_row``). Byte-wise weights whose scale groups span
+    the tile's rows (block FP8: 128 rows) multiply the scales into ``x`` once a K step instead
+    of into every weight."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_row = tl.program_id(0) * BLOCK_N + tl.arange(0, 1)
     row = tl.program_id(1)
