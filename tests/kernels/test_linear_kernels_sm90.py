@@ -75,6 +75,13 @@ for scheme in ("mxfp4", "nvfp4"):  # E2M1 rows regrouped in a compiled graph
     regrouped = sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"), regrouped=True)
     regrouped.stacked(xp, None)
     compile_recorded(f"{scheme} regrouped siblings")
+import qlens.kernels.experts as experts
+experts.kernel_device_problem = lambda device: None
+for scheme, options, _, _ in CASES[:3]:  # one token's 8 routed rows of packed 4-bit experts
+    plan = experts.ExpertsPlan(
+        quantize_weight(torch.randn(8, 1536, 2048), scheme, **options), torch.device("cpu"))
+    plan.rows(torch.randn(8, 2048, dtype=torch.bfloat16), torch.arange(8), None)
+    compile_recorded(f"{scheme} experts")
 
 print(json.dumps(results))
 """
@@ -113,6 +120,12 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
         "int8 siblings": ("byte_siblings_gemv_kernel", False),
         "mxfp4 regrouped siblings": ("packed_siblings_gemv_kernel", None),
         "nvfp4 regrouped siblings": ("packed_siblings_gemv_kernel", None),
+    }
+    experts_rows = {
+        r["case"]: (r["kernel"], r["x_natural"]) for r in results if "experts" in r["case"]
+    }
+    assert experts_rows == {
+        f"{scheme} experts": ("packed_gemv_kernel", True) for scheme in ("int4", "mxfp4", "nvfp4")
     }
     natural = {r["case"]: r["x_natural"] for r in results if "siblings" in r["case"]}
     assert [case for case, as_is in natural.items() if as_is is False] == [
