@@ -89,6 +89,12 @@ def cuobjdump(compiled: Any, tools: str | Path, flag: str) -> str:
         os.unlink(f.name)
 
 
+def barriers(compiled: Any) -> int:
+    """Barriers in the compiled kernel's PTX (each a shared-memory exchange)."""
+    ptx = compiled.asm["ptx"]
+    return ptx.count("bar.sync") + ptx.count("barrier.sync")
+
+
 def stack_bytes(compiled: Any, tools: str | Path) -> int:
     """Bytes of stack a thread (registers spilled to local memory)."""
     usage = cuobjdump(compiled, tools, "--dump-resource-usage")

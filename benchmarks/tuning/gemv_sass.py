@@ -21,7 +21,14 @@ from collections import Counter
 import torch
 import triton
 
-from benchmarks._sm90 import compile_for_sm90, cuobjdump, nvidia_tools, sass_loops, stack_bytes
+from benchmarks._sm90 import (
+    barriers,
+    compile_for_sm90,
+    cuobjdump,
+    nvidia_tools,
+    sass_loops,
+    stack_bytes,
+)
 from benchmarks._timing import DECODE_LAYERS_8B, launch_label
 
 SHARED_MEMORY_OPS = ("STS", "LDS", "LDSM", "BAR")
@@ -65,9 +72,8 @@ def loop_row(scheme: str, n: int, k: int, tools: str) -> str:
             options["BLOCK_N"], options["BLOCK_K"], options["num_warps"], options["LOOP_STAGES"]
         )
     )
-    barriers = compiled.asm["ptx"].count("bar.sync") + compiled.asm["ptx"].count("barrier.sync")
     return (
-        f"| {n} x {k} | {scheme} | {label} | {stack_bytes(compiled, tools)} | {barriers} | "
+        f"| {n} x {k} | {scheme} | {label} | {stack_bytes(compiled, tools)} | {barriers(compiled)} | "
         f"{total} | {codes} | {total / codes:.2f} | {shared} | {top} |"
     )
 

@@ -281,14 +281,7 @@ def _fma_quads(
         LAST: tl.constexpr = QUADS
     word = k0 // 8 + offs_q * 4 + offs_c  # [LEAD, 1, LAST]
     rows = offs_n[None, :, None]
-    w_ptrs = words_ptr + rows * stride_w + word
-    if MASK_K:
-        words = tl.load(w_ptrs, mask=(rows < N) & (word * 8 < K), other=0)
-    elif MASK_N:
-        words = tl.load(w_ptrs, mask=rows < N, other=0)
-    else:
-        words = tl.load(w_ptrs)
-    words = words.to(tl.uint32, bitcast=True)
+    words = _load_words(words_ptr, rows * stride_w, rows < N, word, K, MASK_K, MASK_N)
     offs_x = word[:, :, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     x_row = x_ptr + offs_m[:, None, None, None] * stride_xm
     if MASK_K:

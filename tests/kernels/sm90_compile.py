@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks._sm90 import compile_for_sm90, nvidia_tools, stack_bytes
+from benchmarks._sm90 import barriers, compile_for_sm90, nvidia_tools, stack_bytes
 
 __all__ = ["compile_sm90", "nvidia_tools", "run_compile_script", "word_load_bytes"]
 
@@ -52,7 +52,7 @@ def compile_sm90(kernel: Any, args: tuple, options: dict, tools: str) -> dict[st
         "stack": stack_bytes(compiled, tools),
         "wgmma": "wgmma" in ptx,
         "mma": "mma.sync" in ptx or "wgmma" in ptx,
-        "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
+        "barriers": barriers(compiled),
         "word_load_bytes": word_load_bytes(compiled.asm["ttgir"]),
     }
 
