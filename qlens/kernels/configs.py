@@ -69,7 +69,6 @@ GEMV_MAX_SPLIT = 4
 # The H200 tables and their tuned constants, each with its evidence (launch_tables.py).
 PACKED_GEMV_MAX_M = launch_tables.PACKED_GEMV_MAX_M.value
 INT4_PACKED_GEMV_MAX_M = launch_tables.INT4_PACKED_GEMV_MAX_M.value
-INT4_LONG_TILE_WEIGHTS = launch_tables.INT4_LONG_TILE_WEIGHTS.value
 MID_ROWS_GEMM_SPLIT = launch_tables.MID_ROWS_GEMM_SPLIT.value
 ONE_ROW_GEMV_MAX_SPLIT = launch_tables.ONE_ROW_GEMV_MAX_SPLIT.value
 
@@ -135,14 +134,12 @@ def choose_config(
     w8a8: bool = False,
     packed_words: bool = False,
     int4: bool = False,
-    e2m1_as_is: bool = False,
 ) -> LinearConfig:
     """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8).
 
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
-    ``int4``: its words hold symmetric int4 codes, whose cheaper decode takes longer tiles on
-    large layers; ``e2m1_as_is``: its words hold E2M1 codes and one row is read as the caller
-    holds it (not regrouped), which takes narrower, pipelined tiles. Choices are kept per shape
+    ``int4``: its words hold symmetric int4 codes, which take the packed GEMV up to more rows.
+    Choices are kept per shape
     and device (an eager call pays a dictionary lookup, not the table walk: on the H200 host the
     walk took about 60 us a call). W8A8's single row takes the weight-only GEMV, which reads it
     rounded to FP8 (one launch, no quantizing one).
@@ -152,9 +149,7 @@ def choose_config(
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)
-    return _table_config(
-        m, n, k, gpu_name(device), _sm_count(device), w8a8, packed_words, int4, e2m1_as_is
-    )
+    return _table_config(m, n, k, gpu_name(device), _sm_count(device), w8a8, packed_words, int4)
 
 
 HOPPER_NAME = re.compile(r"\bG?H(100|200|800|20)\b")
@@ -175,7 +170,6 @@ def _table_config(
     w8a8: bool,
     packed_words: bool,
     int4: bool,
-    e2m1_as_is: bool = False,
 ) -> LinearConfig:
     """``choose_config`` on a GPU called ``name`` with ``sms`` SMs."""
     tuned = hopper(name)  # the tables tuned on the H200
@@ -202,21 +196,8 @@ def _table_config(
     if tuned and m == 1 and not packed_words and cfg.path == "gemv" and narrow:
         cfg = replace(cfg, block_n=launch_tables.NARROW_BYTE_GEMV_BLOCK_N.value)
     if packed_words and tuned and m == 1:
-        if int4 and n * k >= INT4_LONG_TILE_WEIGHTS:
-            cfg = replace(
-                cfg,
-                block_n=launch_tables.INT4_LONG_TILE_BLOCK_N.value,
-                num_stages=launch_tables.INT4_LONG_TILE_STAGES.value,
-            )
-        else:
-            if e2m1_as_is:
-                cfg = replace(
-                    cfg,
-                    block_n=launch_tables.E2M1_AS_IS_BLOCK_N.value,
-                    num_stages=launch_tables.E2M1_AS_IS_STAGES.value,
-                )
-            if ceil_div(n, cfg.block_n) <= launch_tables.TWO_WARP_MAX_PROGRAMS_PER_SM.value * sms:
-                cfg = replace(cfg, block_k=launch_tables.TWO_WARP_BLOCK_K.value, num_warps=2)
+        if ceil_div(n, cfg.block_n) <= launch_tables.TWO_WARP_MAX_PROGRAMS_PER_SM.value * sms:
+            cfg = replace(cfg, block_k=launch_tables.TWO_WARP_BLOCK_K.value, num_warps=2)
     if cfg.path in ("splitk", "gemv"):
         cfg = replace(cfg, split_k=split_k_for(m, n, k, cfg, sms))
     elif cfg.path == "gemm" and table is launch_tables.H200_PACKED_WORDS:

@@ -37,12 +37,11 @@ def default_config(
     *,
     w8a8: bool = False,
     words: bool = True,
-    x_as_is: bool = True,
 ) -> LinearConfig:
     """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``;
-    ``words=False`` chooses as for the byte-wise kernels (packed words not read as words);
-    ``x_as_is=False``: for a packed E2M1 row read regrouped (``gemv.PackedGemv``)."""
-    return _weight_config(kernel_weight(payload), m, device, w8a8, words, x_as_is)
+    ``words=False`` chooses as for the byte-wise kernels (packed words not read as words). A
+    packed row takes the same launch read as it is or regrouped."""
+    return _weight_config(kernel_weight(payload), m, device, w8a8, words)
 
 
 def _weight_config(
@@ -51,19 +50,14 @@ def _weight_config(
     device: torch.device,
     w8a8: bool,
     words: bool = True,
-    x_as_is: bool = True,
 ) -> LinearConfig:
     """``default_config`` for the payload's launch view ``w``."""
     from qlens.kernels.packed_words import word_view
 
     packed_words = words and not w8a8 and word_view(w) is not None
-    # Symmetric int4 only: with zero points the long one-row tile needs 252 registers a thread
-    # (168 without; local sm_90 compile) and was not measured.
+    # Symmetric int4 only: the packed GEMV's longer reach was measured without zero points.
     int4 = w.family == INT4 and w.zeros is None
-    e2m1_as_is = packed_words and x_as_is and w.family != INT4
-    config = choose_config(
-        m, w.n, w.k, device, w8a8=w8a8, packed_words=packed_words, int4=int4, e2m1_as_is=e2m1_as_is
-    )
+    config = choose_config(m, w.n, w.k, device, w8a8=w8a8, packed_words=packed_words, int4=int4)
     return config if words else replace(config, words=False)
 
 

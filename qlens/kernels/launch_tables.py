@@ -41,16 +41,13 @@ PACKED_GEMV_MAX_M = Tuned(
     "tuning/results/mid_rows_h200.md § top; tuning/results/mid_rows_h200.md § 2026-12-03 14:28 run",
 )
 INT4_PACKED_GEMV_MAX_M = Tuned(64, "tuning/results/mid_rows_h200.md § 2026-12-03 14:28 run")
-# One-row int4 GEMVs over at least this many weights take 8-row tiles pipelined 3 deep.
-INT4_LONG_TILE_WEIGHTS = Tuned(4096 * 14336, "tuning/results/gemv_tiles_h200.md § top")
-INT4_LONG_TILE_BLOCK_N = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
-INT4_LONG_TILE_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § top")
-# One-row E2M1 (MXFP4, NVFP4) GEMVs reading x as it is take 8-row tiles pipelined 3 deep.
-E2M1_AS_IS_BLOCK_N = Tuned(8, "tuning/results/gemv_tiles_h200.md § 2026-12-05 17:46 run")
-E2M1_AS_IS_STAGES = Tuned(3, "tuning/results/gemv_tiles_h200.md § 2026-12-05 17:46 run")
 # One-row packed GEMVs with at most this many programs per SM run two warps over longer K.
-TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(8, "tuning/results/gemv_tiles_h200.md § top")
-TWO_WARP_BLOCK_K = Tuned(2048, "tuning/results/gemv_tiles_h200.md § top")
+TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(
+    8, "tuning/results/gemv_tiles_h200.md § top; tuning/results/quad_tiles_h100.md § top"
+)
+TWO_WARP_BLOCK_K = Tuned(
+    2048, "tuning/results/gemv_tiles_h200.md § top; tuning/results/quad_tiles_h100.md § top"
+)
 # One-row GEMVs split K at most this many ways: the split's reducing launch cost more host time
 # than it saved, and unsplit narrow layers ran faster on the GPU too.
 ONE_ROW_GEMV_MAX_SPLIT = Tuned(
@@ -66,7 +63,7 @@ MID_ROWS_GEMM_SPLIT = Tuned(
 
 # Weights in whole int32 words of packed 4-bit codes (word-wise GEMV, packed GEMM) on the H200.
 H200_PACKED_WORDS: tuple[TableRow, ...] = (
-    TableRow(1, "gemv", 16, 4, 1024, 1, 1, "results/kernels_decode_h200.md § top; tuning/results/gemv_tiles_h200.md § top"),
+    TableRow(1, "gemv", 16, 4, 1024, 1, 1, "tuning/results/quad_tiles_h100.md § top"),
     TableRow(16, "gemv", 16, 64, 256, 4, 3, "results/archive/dot_operand_order_h200.md § top"),
     TableRow(32, "gemv", 32, 64, 256, 4, 3, "tuning/results/mid_rows_h200.md § top"),
     TableRow(64, "gemm", 64, 64, 128, 4, 3, "tuning/results/w4a16_gemm_h200.md § top; tuning/results/w4a16_mid_rows_h200.md § top"),
@@ -117,11 +114,6 @@ TABLES = {
 TUNED = {
     "PACKED_GEMV_MAX_M": PACKED_GEMV_MAX_M,
     "INT4_PACKED_GEMV_MAX_M": INT4_PACKED_GEMV_MAX_M,
-    "INT4_LONG_TILE_WEIGHTS": INT4_LONG_TILE_WEIGHTS,
-    "INT4_LONG_TILE_BLOCK_N": INT4_LONG_TILE_BLOCK_N,
-    "INT4_LONG_TILE_STAGES": INT4_LONG_TILE_STAGES,
-    "E2M1_AS_IS_BLOCK_N": E2M1_AS_IS_BLOCK_N,
-    "E2M1_AS_IS_STAGES": E2M1_AS_IS_STAGES,
     "TWO_WARP_MAX_PROGRAMS_PER_SM": TWO_WARP_MAX_PROGRAMS_PER_SM,
     "TWO_WARP_BLOCK_K": TWO_WARP_BLOCK_K,
     "MID_ROWS_GEMM_SPLIT": MID_ROWS_GEMM_SPLIT,

@@ -165,9 +165,7 @@ class LinearPlan:
             assert self.view is not None, "only the kernel route has launches"
             if len(self._configs) >= _MAX_KEPT_CONFIGS:
                 self._configs.clear()
-            config = self._configs[m] = _weight_config(
-                self.view, m, self.device, self.w8a8, x_as_is=self.x_as_is
-            )
+            config = self._configs[m] = _weight_config(self.view, m, self.device, self.w8a8)
         return config
 
     def _kernel(self, x: Tensor, bias: Tensor | None) -> Tensor:

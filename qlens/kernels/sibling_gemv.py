@@ -237,7 +237,7 @@ def sibling_gemv(
     if regrouped and packed_words is None:
         return "only packed words read regrouped rows"
     stacked = replace(first, n=sum(w.n for w in views))
-    cfg = _weight_config(stacked, 1, device, False, x_as_is=not regrouped)
+    cfg = _weight_config(stacked, 1, device, False)
     if cfg.path != "gemv" or cfg.split_k != 1:
         return f"one row of [{stacked.n}, {stacked.k}] takes the {cfg.path} path, not one GEMV"
     if packed_words is None and first.packed and first.k % 2:

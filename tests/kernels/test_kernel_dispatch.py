@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from kernel_cases import quantized
@@ -102,13 +100,10 @@ def test_h200_table_gives_packed_words_their_own_launches(h200):
     few = choose_config(1, 4096, 14336, gpu, packed_words=True)
     assert (few.block_n, few.block_k, few.num_warps, few.split_k) == (4, 2048, 2, 1)
     assert choose_config(1, 6144, 4096, gpu, packed_words=True).block_k == 1024
-    # int4 on large layers: 8 rows a program, loads pipelined 3 deep, unsplit.
-    for n, k in ((28672, 8192), (28672, 4096), (4096, 14336)):
-        long = choose_config(1, n, k, gpu, packed_words=True, int4=True)
-        assert (long.block_n, long.block_k, long.num_stages, long.split_k) == (8, 1024, 3, 1)
-    small_int4 = choose_config(1, 6144, 4096, gpu, packed_words=True, int4=True)
-    assert (small_int4.block_n, small_int4.block_k) == (4, 1024)
-    assert choose_config(1, 4096, 4096, gpu, packed_words=True, int4=True).block_k == 2048
+    # int4 takes the same one-row launch as the other packed elements.
+    for n, k in ((28672, 8192), (6144, 4096), (4096, 14336)):
+        int4 = choose_config(1, n, k, gpu, packed_words=True, int4=True)
+        assert int4 == choose_config(1, n, k, gpu, packed_words=True), (n, k)
     assert choose_config(2, 28672, 8192, gpu, packed_words=True, int4=True).block_n == 64
     two_rows = choose_config(2, 28672, 8192, gpu, packed_words=True)  # tensor cores from 2 rows
     assert (two_rows.block_n, two_rows.block_k) == (64, 256)
@@ -165,52 +160,49 @@ def test_h200_table_gives_packed_words_their_own_launches(h200):
     assert choose_config(2, 4096, 4096, gpu, w8a8=True).path == "splitk"
 
 
-def test_one_e2m1_row_read_as_it_is_takes_narrow_pipelined_tiles(h200):
-    """E2M1 words and one row read as the caller holds it: 8-row tiles pipelined 3 deep, two
-    warps over 2048 K where the grid is small; regrouped rows, int4 and other GPUs unchanged."""
+def test_one_packed_row_takes_unpipelined_four_row_tiles(h200):
+    """One row of packed 4-bit words, every element: 4-row tiles, loads not pipelined (a row
+    read as it is keeps its words and activations in registers, and pipelined loads pass them
+    through shared memory), two warps over 2048 K where the grid is small."""
     gpu = torch.device("cuda")
     for (n, k), (block_k, warps) in {
         (28672, 8192): (1024, 1),
         (28672, 4096): (1024, 1),
-        (6144, 4096): (2048, 2),  # 768 programs: up to 8 per SM take two warps
+        (6144, 4096): (1024, 1),  # 1536 programs: more than 8 per SM
         (4096, 4096): (2048, 2),
         (4096, 14336): (2048, 2),
     }.items():
-        as_is = choose_config(1, n, k, gpu, packed_words=True, e2m1_as_is=True)
-        regrouped = choose_config(1, n, k, gpu, packed_words=True)
-        assert (as_is.path, as_is.block_n, as_is.num_stages, as_is.split_k) == ("gemv", 8, 3, 1)
-        assert (as_is.block_k, as_is.num_warps) == (block_k, warps), (n, k)
-        assert (regrouped.block_n, regrouped.num_stages) == (4, 1), (n, k)
-    # More than one row takes the same launch either way.
-    assert choose_config(2, 4096, 4096, gpu, packed_words=True, e2m1_as_is=True) == choose_config(
-        2, 4096, 4096, gpu, packed_words=True
-    )
+        for int4 in (False, True):
+            cfg = choose_config(1, n, k, gpu, packed_words=True, int4=int4)
+            assert (cfg.path, cfg.block_n, cfg.num_stages, cfg.split_k) == ("gemv", 4, 1, 1)
+            assert (cfg.block_k, cfg.num_warps) == (block_k, warps), (n, k, int4)
 
 
-def test_the_launch_follows_how_the_row_is_read(h200):
-    """The dispatcher, the plans and the sibling launch choose by element and row layout."""
+def test_the_launch_does_not_depend_on_how_the_row_is_read(h200):
+    """The dispatcher, the plans and the sibling launch give a row read as it is and a
+    regrouped row the same tile."""
     from qlens.kernels.dispatch import default_config
     from qlens.kernels.plan import LinearPlan
     from qlens.quant.quantize import quantize_weight
 
     gpu = torch.device("cuda")
     weight = torch.randn(256, 256)
-    for scheme, as_is_block_n in (("mxfp4", 8), ("nvfp4", 8), ("int4", 4)):
+    for scheme in ("mxfp4", "nvfp4", "int4"):
         payload = quantize_weight(weight, scheme)
-        assert default_config(payload, 1, gpu).block_n == as_is_block_n, scheme
-        assert default_config(payload, 1, gpu, x_as_is=False).block_n == 4, scheme
-        for x_as_is, block_n in ((True, as_is_block_n), (False, 4)):
+        launch = default_config(payload, 1, gpu)
+        assert (launch.block_n, launch.num_stages) == (4, 1), scheme
+        for x_as_is in (True, False):
             plan = LinearPlan(payload, torch.device("cpu"), route="kernel", x_as_is=x_as_is)
             plan.device = gpu  # the CPU weight stands in for the GPU's
-            assert plan.config(1).block_n == block_n, (scheme, x_as_is)
+            assert plan.config(1) == launch, (scheme, x_as_is)
     from qlens.kernels.sibling_gemv import sibling_gemv
     from qlens.kernels.weights import kernel_weight
 
     views = [kernel_weight(quantize_weight(torch.randn(n, 256), "mxfp4")) for n in (256, 64)]
-    for regrouped, block_n in ((False, 8), (True, 4)):
+    for regrouped in (False, True):
         launch = sibling_gemv(views, torch.bfloat16, False, gpu, regrouped=regrouped)
         assert not isinstance(launch, str), launch
-        assert launch.config.block_n == block_n, regrouped
+        assert (launch.config.block_n, launch.config.num_stages) == (4, 1), regrouped
 
 
 def test_table_choices_are_kept_per_gpu(h200, monkeypatch):
@@ -251,24 +243,3 @@ def test_hopper_gpus_take_the_tables_tuned_on_the_h200(h200, monkeypatch, name, 
     launch = choose_config(1, 28672, 8192, gpu, packed_words=True)
     assert configs.hopper(name) is tuned
     assert (launch == tuned_launch) is tuned
-
-
-def test_the_whole_model_comparison_sets_the_earlier_e2m1_launch_and_back(h200):
-    """``benchmarks/tuning/e2m1_as_is_e2e.py`` times the launch before the rule against it."""
-    from benchmarks.tuning import e2m1_as_is_e2e as comparison
-
-    gpu = torch.device("cuda")
-    launches = []
-    try:
-        for new in (False, True):
-            comparison.use_launches(new)
-            cfg = choose_config(1, 28672, 4096, gpu, packed_words=True, e2m1_as_is=True)
-            launches.append((cfg.block_n, cfg.num_stages))
-    finally:
-        comparison.use_launches(True)
-    assert launches == [(4, 1), (8, 3)]
-    assert choose_config(1, 28672, 4096, gpu, packed_words=True) == replace(
-        choose_config(1, 28672, 4096, gpu, packed_words=True, e2m1_as_is=True),
-        block_n=4,
-        num_stages=1,
-    )

@@ -1,6 +1,7 @@
 """The launch tables choose what they chose before they became data: every (rows, shape, GPU,
 weight kind) case of ``launch_table_choices.json``, recorded from the tables as Python tuples (the
-H100's cases since updated to the H200's choices: Hopper GPUs share the tuned tables)."""
+H100's cases since updated to the H200's choices: Hopper GPUs share the tuned tables; one-row
+symmetric int4 since updated to the unpipelined 4-row tiles every packed row takes)."""
 
 from __future__ import annotations
 
