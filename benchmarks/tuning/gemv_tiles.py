@@ -1,6 +1,6 @@
 """One-row word-wise GEMV tiles on the 8B decode layers and the largest benchmark layer: rows per
-program, K per loop step, warps and pipelining depth, against the dispatcher's launch. Every launch reads ``x`` as it is
-(the eager path).
+program, K per loop step, warps and pipelining depth, against the dispatcher's launch. Every
+launch reads ``x`` as it is (the eager path).
 
 Run on a CUDA GPU: ``python -m benchmarks.tuning.gemv_tiles [--schemes mxfp4,nvfp4]
 [--launches 8x1024w1st3,4x2048w2st1]``; prints markdown and, when ``$OUT`` is set, writes it to
