@@ -30,6 +30,7 @@ from benchmarks._sm90 import (
     stack_bytes,
 )
 from benchmarks._timing import DECODE_LAYERS_8B, launch_label
+from benchmarks.tuning.gemv_tiles import one_row_launch
 
 SHARED_MEMORY_OPS = ("STS", "LDS", "LDSM", "BAR")
 
@@ -68,7 +69,7 @@ def loop_row(scheme: str, n: int, k: int, tools: str) -> str:
     shared = sum(v for op, v in loop.items() if op.split(".")[0] in SHARED_MEMORY_OPS)
     top = ", ".join(f"{op} {v}" for op, v in Counter(loop).most_common(6))
     label = launch_label(
-        _config(
+        one_row_launch(
             options["BLOCK_N"], options["BLOCK_K"], options["num_warps"], options["LOOP_STAGES"]
         )
     )
@@ -76,12 +77,6 @@ def loop_row(scheme: str, n: int, k: int, tools: str) -> str:
         f"| {n} x {k} | {scheme} | {label} | {stack_bytes(compiled, tools)} | {barriers(compiled)} | "
         f"{total} | {codes} | {total / codes:.2f} | {shared} | {top} |"
     )
-
-
-def _config(block_n: int, block_k: int, warps: int, stages: int):
-    from qlens.kernels import LinearConfig
-
-    return LinearConfig("gemv", 16, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
 def main() -> None:

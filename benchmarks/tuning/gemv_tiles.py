@@ -40,10 +40,14 @@ LAUNCHES = (
     (64, 128, 4, 1),
     (8, 1024, 1, 3),
 )
-CONFIGS = tuple(
-    LinearConfig("gemv", 16, bn, bk, num_warps=warps, num_stages=stages)
-    for bn, bk, warps, stages in LAUNCHES
-)
+
+
+def one_row_launch(block_n: int, block_k: int, warps: int, stages: int) -> LinearConfig:
+    """The one-row GEMV launch of these tiles, warps and pipelining depth."""
+    return LinearConfig("gemv", 16, block_n, block_k, num_warps=warps, num_stages=stages)
+
+
+CONFIGS = tuple(one_row_launch(*launch) for launch in LAUNCHES)
 
 
 def chosen_launches(spec: str | None) -> tuple[LinearConfig, ...]:
@@ -56,9 +60,7 @@ def chosen_launches(spec: str | None) -> tuple[LinearConfig, ...]:
         rows_k, rest = item.split("w")
         warps, stages = rest.split("st")
         bn, bk = rows_k.split("x")
-        configs.append(
-            LinearConfig("gemv", 16, int(bn), int(bk), num_warps=int(warps), num_stages=int(stages))
-        )
+        configs.append(one_row_launch(int(bn), int(bk), int(warps), int(stages)))
     return tuple(configs)
 
 

@@ -139,10 +139,9 @@ def choose_config(
 
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
     ``int4``: its words hold symmetric int4 codes, which take the packed GEMV up to more rows.
-    Choices are kept per shape
-    and device (an eager call pays a dictionary lookup, not the table walk: on the H200 host the
-    walk took about 60 us a call). W8A8's single row takes the weight-only GEMV, which reads it
-    rounded to FP8 (one launch, no quantizing one).
+    Choices are kept per shape and device (an eager call pays a dictionary lookup, not the table
+    walk: on the H200 host the walk took about 60 us a call). W8A8's single row takes the
+    weight-only GEMV, which reads it rounded to FP8 (one launch, no quantizing one).
     """
     if w8a8 and m == 1:
         w8a8 = False
