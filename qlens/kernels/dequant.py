@@ -145,10 +145,15 @@ def dequantize_qlens_layout(
 
 
 def dequantize_view(
-    w: KernelWeight, dtype: torch.dtype, launch: DequantLaunch | None = None
+    w: KernelWeight,
+    dtype: torch.dtype,
+    launch: DequantLaunch | None = None,
+    out: Float[Tensor, "n k"] | None = None,
 ) -> Float[Tensor, "n k"]:
-    """``dequantize_triton`` of a checked launch view (no checks: the caller made them)."""
-    out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
+    """``dequantize_triton`` of a checked launch view (no checks: the caller made them), into
+    ``out`` (rows of stride ``out.stride(0)``, contiguous columns) when given."""
+    if out is None:
+        out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
     tile = launch or default_launch(w.n)
     block_n, block_k = tile.block_n, tile.block_k
     grid = k_first_grid(w.n, w.k, block_n, block_k)

@@ -51,3 +51,18 @@ def test_dequantize_triton_rejects_other_packings_and_dtypes():
     payload.layout = {"packing": "gptq"}
     with pytest.raises(ValueError, match="repack_to_qlens"):
         dequantize_triton(payload, torch.float32)
+
+
+@pytest.mark.parametrize("case", SCHEMES[:3], ids=scheme_id)
+def test_dequantize_view_writes_rows_of_a_wider_buffer(case):
+    """``out=`` takes rows of a wider buffer (stride(0) > K): the decode lands there, bit-exact,
+    and the columns past K are left as they were."""
+    from qlens.kernels.dequant import dequantize_view
+    from qlens.kernels.weights import kernel_weight
+
+    payload = quantized(24, 96, case)
+    buffer = torch.full((24, 100), 7.0, dtype=torch.bfloat16)
+    out = dequantize_view(kernel_weight(payload), torch.bfloat16, out=buffer[:, :96])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:, :96], dequantize(payload, torch.bfloat16))
+    assert torch.equal(buffer[:, 96:], torch.full((24, 4), 7.0, dtype=torch.bfloat16))
