@@ -128,10 +128,13 @@ def main(argv: list[str] | None = None) -> str:
     device = torch.device("cuda")
     prompt = seeded_prompt(shape, device)
     base = build_model(shape, device)
-    rows = {"bf16": measure(base, prompt, args.decode_tokens, args.repeats)}
+    rows: dict[str, dict[str, float]] = {}
 
     def run(scheme: str, model: torch.nn.Module) -> None:
         rows[scheme] = measure(model, prompt, args.decode_tokens, args.repeats)
+        print("\n".join(table(rows)[-1:]), flush=True)  # each row as it is measured
+
+    run("bf16", base)
 
     for_each_quantized(base, args.schemes.split(","), run)
     text = "\n".join(

@@ -29,6 +29,7 @@ def main() -> None:
     prompt = seeded_prompt(shape, torch.device("cuda"))
     base = build_model(shape, torch.device("cuda"))
     rows = {"bf16": measure(base, prompt, 64, 3)}
+    print(table(rows)[-1], flush=True)
     regrouping = ops.REGROUPING_DEVICES
     try:
         for scheme in ("mxfp4", "nvfp4"):
@@ -37,6 +38,7 @@ def main() -> None:
                 model = qlens.quantize(base, scheme)
                 label = "as it is" if as_is else "regrouped (library)"
                 rows[f"{scheme}, graph reads x {label}"] = measure(model, prompt, 64, 3)
+                print(table(rows)[-1], flush=True)
                 del model
                 torch.cuda.empty_cache()
     finally:
