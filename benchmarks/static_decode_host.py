@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> str:
 
     def run(scheme: str, model: torch.nn.Module) -> None:
         rows[scheme] = measure(model, prompt, args.decode_tokens, args.repeats)
-        print("\n".join(table(rows)[-1:]), flush=True)  # each row as it is measured
+        print(table(rows)[-1], flush=True)  # each row as it is measured
 
     run("bf16", base)
 
