@@ -31,7 +31,8 @@ def route_to_experts(
 
     ``rows_fn(rows, ids)``, when given, computes every (token, route) pair at once instead, row
     ``i`` of ``rows`` through expert ``ids[i]`` (one kernel launch per projection, no per-expert
-    loop); skipped routes then run expert 0 with a zero weight.
+    loop); skipped routes then run expert 0 with a zero weight, and each token's routes are
+    weighted and summed by one batched product.
     """
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
         raise ValueError(
@@ -39,21 +40,21 @@ def route_to_experts(
             f"{list(top_k_index.shape)}, top_k_weights {list(top_k_weights.shape)}; expected "
             f"[tokens, hidden], [tokens, k], [tokens, k]"
         )
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     if rows_fn is not None:
-        ids = top_k_index.reshape(-1)
-        kept = (ids >= 0) & (ids < num_experts)
-        tokens = torch.arange(hidden_states.shape[0], device=ids.device)
-        tokens = tokens.repeat_interleave(top_k_index.shape[1])
-        rows_out = rows_fn(hidden_states[tokens], torch.where(kept, ids, 0))
-        scale = torch.where(kept, top_k_weights.reshape(-1), 0).to(rows_out.dtype)
-        out.index_add_(0, tokens, (rows_out * scale[:, None]).to(torch.float32))
-        return out.to(hidden_states.dtype)
+        tokens, k = top_k_index.shape
+        safe = top_k_index.clamp(0, num_experts - 1)  # skipped routes: expert 0, weight 0
+        scale = top_k_weights.masked_fill(safe != top_k_index, 0).to(hidden_states.dtype)
+        rows = hidden_states[:, None].expand(tokens, k, -1).reshape(tokens * k, -1)
+        rows_out = rows_fn(rows, safe.reshape(-1)).view(tokens, k, -1)
+        # [tokens, 1, k] @ [tokens, k, hidden]: one product, accumulated in float32 (bf16 and
+        # fp16 matmuls accumulate so), rounded once.
+        return torch.bmm(scale[:, None].to(rows_out.dtype), rows_out).view(tokens, -1)
     if capturing_cuda_graph(hidden_states.device):
         raise host_routing_under_capture(
             "these experts run one expert at a time (their format, layout or device has no "
             "one-launch path)"
         )
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     with torch.no_grad():
         hit = torch.unique(top_k_index)
     for expert in hit.tolist():
