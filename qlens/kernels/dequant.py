@@ -3,6 +3,7 @@
 from typing import no_type_check
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from jaxtyping import Float
@@ -163,3 +164,39 @@ def dequantize_view(
             **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
         )  # fmt: skip
     return out
+
+
+class PreparedDequantize:
+    """``dequantize_view(w, dtype)`` prepared once: grid, strides, constants and the weight's
+    tensors fixed, so a call allocates the output and launches with only its address passed.
+    No checks (the caller made them)."""
+
+    def __init__(self, w: KernelWeight, dtype: torch.dtype) -> None:
+        self.shape, self.dtype, self.device = (w.n, w.k), dtype, w.data.device
+        tile = default_launch(w.n)
+        args = (
+            *kernel_args(w), w.data, w.n, w.k, w.data.stride(0), w.scales.stride(0), w.k,
+        )  # fmt: skip  # the output's slot (4) holds a placeholder
+        self.launch = _DEQUANT.prepare(
+            k_first_grid(w.n, w.k, tile.block_n, tile.block_k), args, [4], self.device,
+            **kernel_constants(w), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_K=w.k % tile.block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
+        )  # fmt: skip
+
+    def __call__(self) -> Float[Tensor, "n k"]:
+        weight = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.launch(weight)
+        return weight
+
+
+class DequantizedLinear:
+    """``x @ W.T + bias`` on the ``"dequant"`` path for activations of ``dtype``: the weight
+    decoded by a :class:`PreparedDequantize`, then cuBLAS."""
+
+    def __init__(self, w: KernelWeight, dtype: torch.dtype) -> None:
+        self.decode, self.dtype = PreparedDequantize(w, dtype), dtype
+
+    def __call__(
+        self, x: Float[Tensor, "*batch k"], bias: Float[Tensor, " n"] | None
+    ) -> Float[Tensor, "*batch n"]:
+        return F.linear(x, self.decode(), None if bias is None else bias.to(self.dtype))

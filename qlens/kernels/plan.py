@@ -195,6 +195,10 @@ class LinearPlan:
             call = prepared_gemv(
                 w, m, dtype, not no_bias, config, out_shape, self.x_as_is, round_x=self.w8a8
             )
+        elif config.path == "dequant" and not self.w8a8:
+            from qlens.kernels.dequant import DequantizedLinear  # Triton: as above
+
+            call = DequantizedLinear(w, dtype)
         else:
             call = functools.partial(_launch_on, w, config, out_shape, self.w8a8)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:

@@ -66,3 +66,37 @@ def test_dequantize_view_writes_rows_of_a_wider_buffer(case):
     assert out.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:, :96], dequantize(payload, torch.bfloat16))
     assert torch.equal(buffer[:, 96:], torch.full((24, 4), 7.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_plan_on_the_dequantize_path_prepares_its_launch_once(case, monkeypatch):
+    """A plan whose launch is ``"dequant"`` (prefill rows on a GPU; forced here) decodes with
+    a launch prepared on the first call of each input shape, and a call gives exactly
+    ``F.linear`` on the weight the codec decodes, with and without bias."""
+    import torch.nn.functional as F
+
+    import qlens.kernels.dequant as dequant_module
+    import qlens.kernels.plan as plan_module
+    from qlens.kernels.configs import LinearConfig
+
+    monkeypatch.setattr(
+        plan_module, "_weight_config", lambda *args: LinearConfig("dequant", 16, 16, 16)
+    )
+    prepared = []
+    real_prepare = dequant_module._DEQUANT.prepare
+    monkeypatch.setattr(
+        dequant_module._DEQUANT,
+        "prepare",
+        lambda *args, **kwargs: prepared.append(args[0]) or real_prepare(*args, **kwargs),
+    )
+    payload = quantized(40, 96, case)
+    plan = plan_module.LinearPlan(payload, torch.device("cpu"), route="kernel")
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 5, 96, generator=gen).to(dtype)
+        weight = dequantize(payload, dtype)
+        for b in (bias, None, bias):
+            expected = F.linear(x, weight, None if b is None else b.to(dtype))
+            assert torch.equal(plan(x, b), expected)
+    assert len(prepared) == 4  # one per (dtype, bias or none), kept for the repeated call
