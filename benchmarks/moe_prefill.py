@@ -5,9 +5,12 @@ For Qwen3-MoE experts blocks (hidden 2048, moe_intermediate 768, top-8; 64 exper
 ``e2e_model.py --sizes moe``, and 128 as in Qwen3-30B-A3B) and 1024 tokens (8192 routed rows)
 this times, eagerly (CUDA events around each call, median of 10 after 3 warm-up calls):
 
-- qlens grouped: the ``QuantExperts`` forward, each projection one grouped launch over all
-  experts (``qlens.kernels.grouped_experts``: packed 4-bit words, or fp8-block bytes decoded
-  per 128 x 128 block);
+- qlens: the ``QuantExperts`` forward as the library runs it: from
+  ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT`` bf16 rows an expert on a Hopper GPU, packed 4-bit
+  experts all decoded in one launch,
+  then ``torch._grouped_mm`` (``qlens.kernels.decoded_experts``), else each projection one
+  launch of qlens' grouped kernel over all experts (``qlens.kernels.grouped_experts``);
+- Triton grouped: the same module held to qlens' grouped kernel;
 - qlens expert by expert: the same module with the grouped path turned off (each used
   expert's two linears, the path prefill took before);
 - bf16: transformers' ``Qwen3MoeExperts`` on the bf16 weights under its prefill experts
@@ -33,6 +36,7 @@ import transformers
 from _timing import LAUNCH_ERRORS, PACKED_4BIT_SCHEMES, header, publish, rel_err, select_schemes
 from _timing import time_eager as _time_eager
 
+import qlens.kernels.experts as experts_module
 from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.experts import ExpertsPlan, stacked_experts
@@ -107,12 +111,29 @@ def reference_block(block: torch.nn.Module, experts: QuantExperts) -> torch.nn.M
     return ref
 
 
+def route_of(experts: QuantExperts, hidden: torch.Tensor, rows: int) -> str:
+    """The launch the gate_up projection takes for ``rows`` rows of ``hidden``'s dtype."""
+    plan = experts.experts_plan("gate_up", hidden)
+    if not plan.one_launch(rows):
+        return "expert by expert"
+    return "DecodedExperts" if plan.decoded(rows, hidden.dtype) else "GroupedExperts"
+
+
 def scheme_row(label, scheme, options, block, hidden, index, weights, t_bf16) -> str:
     experts = quant_block(block, scheme, options)
     with torch.no_grad():
-        t_grouped = time_eager(lambda: experts(hidden, index, weights))
+        t_qlens = time_eager(lambda: experts(hidden, index, weights))
+        route = route_of(experts, hidden, index.numel())
         out = experts(hidden, index, weights)
         expected = reference_block(block, experts)(hidden.float(), index, weights.float())
+        min_rows = experts_module.DECODED_EXPERTS_MIN_ROWS_PER_EXPERT
+        experts_module.DECODED_EXPERTS_MIN_ROWS_PER_EXPERT = 1 << 62  # qlens' grouped kernel
+        experts.forget_prepared()
+        try:
+            t_grouped = time_eager(lambda: experts(hidden, index, weights))
+        finally:
+            experts_module.DECODED_EXPERTS_MIN_ROWS_PER_EXPERT = min_rows
+            experts.forget_prepared()
         original = ExpertsPlan.one_launch
         ExpertsPlan.one_launch = lambda self, rows: False  # each used expert on its rows
         try:
@@ -122,8 +143,9 @@ def scheme_row(label, scheme, options, block, hidden, index, weights, t_bf16) ->
     best = min((t for t in t_bf16.values() if not math.isnan(t)), default=float("nan"))
     bf16_cells = " | ".join(f"{t_bf16[name]:.0f}" for name in BF16_IMPLEMENTATIONS)
     return (
-        f"| {label} | {scheme} | {t_grouped:.0f} | {t_loop:.0f} | {bf16_cells} | "
-        f"{t_grouped / best:.2f}x | {t_loop / t_grouped:.1f}x | {rel_err(out, expected):.1e} |"
+        f"| {label} | {scheme} | {route} | {t_qlens:.0f} | {t_grouped:.0f} | {t_loop:.0f} | "
+        f"{bf16_cells} | {t_qlens / best:.2f}x | {t_grouped / best:.2f}x | "
+        f"{rel_err(out, expected):.1e} |"
     )
 
 
@@ -211,13 +233,15 @@ def main() -> None:
     out = [
         header(f"qlens MoE prefill: routed quantized experts of {args.tokens} tokens", TIMING),
         "One experts block (gate_up, activation, down, weighted sum) per row; times in us. "
-        "`grouped vs best bf16` is qlens grouped time over the fastest bf16 implementation "
-        "(lower is faster; the target is at most 1.2x).",
+        "`qlens` is the library's choice (its route: `DecodedExperts` decodes every expert, "
+        "then `torch._grouped_mm`; `GroupedExperts` is qlens' grouped kernel); `Triton "
+        "grouped` forces the grouped kernel. `vs best bf16` is a time over the fastest bf16 "
+        "implementation's (lower is faster; the target is at most 1.2x).",
         "",
-        "| block | scheme | qlens grouped us | qlens expert by expert us | "
+        "| block | scheme | qlens route | qlens us | Triton grouped us | expert by expert us | "
         + " | ".join(f"bf16 {name} us" for name in BF16_IMPLEMENTATIONS)
-        + " | grouped vs best bf16 | grouped speed-up over expert by expert | rel. error |",
-        "|---|---|---|---|" + "---|" * len(BF16_IMPLEMENTATIONS) + "---|---|---|",
+        + " | qlens vs best bf16 | Triton grouped vs best bf16 | rel. error |",
+        "|---|---|---|---|---|---|" + "---|" * len(BF16_IMPLEMENTATIONS) + "---|---|---|",
     ]
     gen = torch.Generator().manual_seed(0)
     for label, num_experts in BLOCKS:

@@ -12,6 +12,11 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.configs import choose_config
+from qlens.kernels.decoded_experts import (
+    DECODED_EXPERTS_MIN_ROWS_PER_EXPERT,
+    grouped_mm_device,
+    stacked_rows_view,
+)
 from qlens.kernels.dispatch import quantized_linear
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import capturing_cuda_graph, kernel_device_problem
@@ -26,8 +31,13 @@ from qlens.quant.expert_payloads import num_experts_of, select_expert
 from qlens.quant.payload import QuantPayload
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from qlens.kernels.decoded_experts import DecodedExperts
     from qlens.kernels.gemv import PackedGemv
     from qlens.kernels.grouped_experts import GroupedExperts
+
+    ExpertsCall: TypeAlias = PackedGemv | GroupedExperts | DecodedExperts
 
 # Up to this many (token, expert) rows, packed 4-bit experts in whole words run in one launch of
 # the word-wise GEMV (each row reads its own expert's weight); more rows take one launch of the
@@ -187,8 +197,12 @@ class ExpertsPlan:
         )
         self.stacked = stacked_view(payload)
         self._config = choose_config(1, n, k, device, packed_words=True)
-        self._calls: dict[tuple[int, torch.dtype, bool], PackedGemv | GroupedExperts] = {}
+        self._calls: dict[tuple[int, torch.dtype, bool], ExpertsCall] = {}
         self._views: tuple[QuantPayload, ...] | None = None
+        self._rows_view: KernelWeight | None = None
+        self._decoded: DecodedExperts | None = None  # bf16 only
+        if self.stacked is not None and grouped_mm_device(device):
+            self._rows_view = stacked_rows_view(*self.stacked, experts)
 
     @property
     def views(self) -> tuple[QuantPayload, ...]:
@@ -222,18 +236,47 @@ class ExpertsPlan:
             bias = bias.contiguous()
         return call(x, bias, expert_ids)
 
-    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> PackedGemv | GroupedExperts:
+    def _decodes_experts(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether ``m`` rows of ``dtype`` take :class:`DecodedExperts`: bf16 prefill rows (at
+        least ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT`` an expert on average) on a device whose ``torch._grouped_mm`` runs grouped, packed 4-bit experts (one-byte experts
+        keep the grouped kernel, faster there) readable as stacked rows whose decoded rows and
+        columns lie on 16 bytes (``torch._grouped_mm``'s alignment)."""
+        view = self._rows_view
+        return (
+            view is not None
+            and view.packed
+            and dtype == torch.bfloat16
+            and m >= DECODED_EXPERTS_MIN_ROWS_PER_EXPERT * self.num_experts
+            and view.k % 8 == 0
+            and (view.n // self.num_experts) % 8 == 0
+        )
+
+    def decoded(self, m: int, dtype: torch.dtype) -> DecodedExperts | None:
+        """The :class:`DecodedExperts` that ``m`` rows of ``dtype`` take here, or ``None`` when
+        they take another launch (kept once built)."""
+        if not self._decodes_experts(m, dtype):
+            return None
+        if self._decoded is None:
+            from qlens.kernels.decoded_experts import DecodedExperts
+
+            assert self._rows_view is not None
+            self._decoded = DecodedExperts(self._rows_view, self.num_experts, dtype)
+        return self._decoded
+
+    def _prepare(self, m: int, dtype: torch.dtype, no_bias: bool) -> ExpertsCall:
         # Triton: imported once a launch is prepared
         from qlens.kernels.gemv import PackedGemv
         from qlens.kernels.grouped_experts import GroupedExperts
 
         assert self.stacked is not None
         w, strides = self.stacked
-        call: PackedGemv | GroupedExperts
+        call: ExpertsCall
         if w.packed and m <= FUSED_EXPERT_ROWS:
             words = word_view(w)
             assert words is not None  # stacked_view takes packed rows of whole words only
             call = PackedGemv(w, words, m, dtype, not no_bias, self._config, strides)
+        elif (decoded := self.decoded(m, dtype)) is not None:  # decode, then a grouped GEMM
+            call = decoded
         else:  # one byte an element, or prefill rows: the grouped GEMM
             call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
         if len(self._calls) >= _MAX_KEPT_CALLS:

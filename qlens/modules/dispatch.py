@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.decoded_experts import sort_by_expert
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
@@ -51,6 +52,13 @@ def fused_experts_forward(
         return linear(down_in(activate(h)), down.views[expert], _row(down_bias, expert))
 
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
+        first_decoded = first.decoded(x.shape[0], x.dtype)
+        down_decoded = down.decoded(x.shape[0], x.dtype)
+        if first_decoded is not None and down_decoded is not None:  # sort the rows once
+            sorted_ids, order, ends = sort_by_expert(ids, first.num_experts)
+            h = first_decoded.on_sorted(first_in(x[order]), ends, first_bias, sorted_ids)
+            out = down_decoded.on_sorted(down_in(activate(h)), ends, down_bias, sorted_ids)
+            return torch.empty_like(out).index_copy_(0, order, out)
         h = activate(first.rows(first_in(x), ids, first_bias))
         return down.rows(down_in(h), ids, down_bias)
 

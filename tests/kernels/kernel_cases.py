@@ -46,8 +46,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def count_grouped_launches(monkeypatch) -> list:
-    """The grids of the grouped experts GEMM's launches from now on (each launch still runs)."""
+    """The grids of the grouped experts GEMM's launches from now on, with ``"decoded"`` for each
+    call of experts decoded then multiplied by ``torch._grouped_mm`` (``DecodedExperts``, the
+    bf16 prefill route on Hopper); each launch and call still runs."""
     import qlens.kernels.grouped_experts as grouped_module
+    from qlens.kernels.decoded_experts import DecodedExperts
 
     grids: list = []
     real = grouped_module.GROUPED_EXPERTS.launch
@@ -55,6 +58,12 @@ def count_grouped_launches(monkeypatch) -> list:
         grouped_module.GROUPED_EXPERTS,
         "launch",
         lambda grid, *args, **kwargs: grids.append(grid) or real(grid, *args, **kwargs),
+    )
+    decoded = DecodedExperts.on_sorted
+    monkeypatch.setattr(
+        DecodedExperts,
+        "on_sorted",
+        lambda self, *args: grids.append("decoded") or decoded(self, *args),
     )
     return grids
 
