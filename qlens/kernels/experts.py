@@ -1,7 +1,8 @@
 """Mixture-of-experts linears in one launch per call: packed 4-bit experts in whole words take
-a GEMV for few (token, expert) rows and the grouped GEMM beyond, one-byte experts (fp8-block,
-MXFP8, int8) the grouped GEMM at every row count; other layouts and W8A8 run one launch per used
-expert, which reads the routing on the host."""
+a GEMV for few (token, expert) rows and the grouped GEMM beyond (bf16 prefill rows on Hopper:
+every expert decoded once, then ``torch._grouped_mm``, ``decoded_experts``), one-byte experts
+(fp8-block, MXFP8, int8) the grouped GEMM at every row count; other layouts and W8A8 run one
+launch per used expert, which reads the routing on the host."""
 
 from __future__ import annotations
 
@@ -307,7 +308,9 @@ def experts_linear(
     rows through the word-wise GEMV, each row reading its own expert's weight (decode); more
     rows, and one-byte experts (fp8-block, MXFP8, int8) at any row count, through the grouped
     GEMM (``grouped_experts_linear``: rows sorted by expert on the device, each expert's tiles
-    on tensor cores). Other layouts (packed rows not in whole words, non-contiguous tensors)
+    on tensor cores). bf16 rows of packed 4-bit experts, ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT``
+    or more an expert, on a GPU whose ``torch._grouped_mm`` runs grouped, instead decode every
+    expert once (one launch) and run ``torch._grouped_mm`` (``DecodedExperts``). Other layouts (packed rows not in whole words, non-contiguous tensors)
     and ``w8a8`` sort the tokens by expert on the host and run ``quantized_linear`` once per
     used expert on its tokens (the dispatcher picks each launch's path by its count); that
     host read cannot run under CUDA graph capture, which raises ``RuntimeError``.
