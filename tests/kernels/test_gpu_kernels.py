@@ -289,3 +289,23 @@ def test_fp8_rounded_siblings_share_one_launch_on_gpu():
         own = prepare_gemv(w, 1, torch.bfloat16, False, shared.config, round_x=True)
         assert torch.equal(out, own(x, None))
         assert rel_err(out, reference_w8a8_linear(x.double(), p)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_plan_prefill_rows_take_the_prepared_decode_on_gpu(case):
+    """Prefill rows through a plan (the modules' path) on the dequantize path: exactly
+    ``F.linear`` on the codec's decoded weight, on the first call and on the kept launch."""
+    import torch.nn.functional as F
+
+    from qlens.kernels.dequant import DequantizedLinear
+    from qlens.kernels.plan import LinearPlan
+
+    payload = quantized(512, 1024, case).to("cuda")
+    plan = LinearPlan(payload, torch.device("cuda"))
+    x = torch.randn(1, 300, 1024, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(512, device="cuda").to(torch.bfloat16)
+    expected = F.linear(x, dequantize(payload, torch.bfloat16), bias)
+    assert plan.config(300).path == "dequant"
+    for _ in range(2):
+        assert torch.equal(plan(x, bias), expected)
+    assert isinstance(plan._calls[x.shape, x.dtype, False], DequantizedLinear)
