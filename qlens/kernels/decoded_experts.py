@@ -88,9 +88,9 @@ def sort_by_expert(
 
 class DecodedExperts:
     """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` for bf16 rows: the experts' stacked rows
-    ``rows_view`` decoded to bf16 in one prepared launch, then one ``torch._grouped_mm`` over the rows
-    sorted by expert. No host sync. ``on_sorted`` takes rows already sorted (a block's two
-    projections sort once)."""
+    ``rows_view`` decoded to bf16 in one prepared launch, then one ``torch._grouped_mm`` over
+    the rows sorted by expert. No host sync. ``on_sorted`` takes rows already sorted (a block's
+    two projections sort once)."""
 
     def __init__(self, rows_view: KernelWeight, num_experts: int, dtype: torch.dtype) -> None:
         from qlens.kernels.dequant import PreparedDequantize  # Triton: once a call is prepared

@@ -239,9 +239,10 @@ class ExpertsPlan:
 
     def _decodes_experts(self, m: int, dtype: torch.dtype) -> bool:
         """Whether ``m`` rows of ``dtype`` take :class:`DecodedExperts`: bf16 prefill rows (at
-        least ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT`` an expert on average) on a device whose ``torch._grouped_mm`` runs grouped, packed 4-bit experts (one-byte experts
-        keep the grouped kernel, faster there) readable as stacked rows whose decoded rows and
-        columns lie on 16 bytes (``torch._grouped_mm``'s alignment)."""
+        least ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT`` an expert on average) on a device whose
+        ``torch._grouped_mm`` runs grouped, packed 4-bit experts (one-byte experts keep the
+        grouped kernel, faster there) readable as stacked rows whose decoded rows and columns
+        lie on 16 bytes (``torch._grouped_mm``'s alignment)."""
         view = self._rows_view
         return (
             view is not None
@@ -310,10 +311,11 @@ def experts_linear(
     GEMM (``grouped_experts_linear``: rows sorted by expert on the device, each expert's tiles
     on tensor cores). bf16 rows of packed 4-bit experts, ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT``
     or more an expert, on a GPU whose ``torch._grouped_mm`` runs grouped, instead decode every
-    expert once (one launch) and run ``torch._grouped_mm`` (``DecodedExperts``). Other layouts (packed rows not in whole words, non-contiguous tensors)
-    and ``w8a8`` sort the tokens by expert on the host and run ``quantized_linear`` once per
-    used expert on its tokens (the dispatcher picks each launch's path by its count); that
-    host read cannot run under CUDA graph capture, which raises ``RuntimeError``.
+    expert once (one launch) and run ``torch._grouped_mm`` (``DecodedExperts``). Other layouts
+    (packed rows not in whole words, non-contiguous tensors) and ``w8a8`` sort the tokens by
+    expert on the host and run ``quantized_linear`` once per used expert on its tokens (the
+    dispatcher picks each launch's path by its count); that host read cannot run under CUDA
+    graph capture, which raises ``RuntimeError``.
 
     The ids' range is checked on the host (one device sync) unless ``ids_in_range``: a caller
     whose ids lie in ``[0, experts)`` by construction (the modules' routing clamps them) passes
