@@ -48,7 +48,8 @@ def route_to_experts(
         rows_out = rows_fn(rows, safe.reshape(-1)).view(tokens, k, -1)
         # [tokens, 1, k] @ [tokens, k, hidden]: one product, accumulated in float32 (bf16 and
         # fp16 matmuls accumulate so), rounded once.
-        return torch.bmm(scale[:, None].to(rows_out.dtype), rows_out).view(tokens, -1)
+        summed = torch.bmm(scale[:, None].to(rows_out.dtype), rows_out).view(tokens, -1)
+        return summed.to(hidden_states.dtype)
     if capturing_cuda_graph(hidden_states.device):
         raise host_routing_under_capture(
             "these experts run one expert at a time (their format, layout or device has no "
