@@ -155,15 +155,23 @@ def dequantize_view(
     ``out`` (rows of stride ``out.stride(0)``, contiguous columns) when given."""
     if out is None:
         out = torch.empty((w.n, w.k), dtype=dtype, device=w.data.device)
-    tile = launch or default_launch(w.n)
-    block_n, block_k = tile.block_n, tile.block_k
-    grid = k_first_grid(w.n, w.k, block_n, block_k)
+    grid, args, options = _dequant_launch(w, out, out.stride(0), launch or default_launch(w.n))
     with on_device(out.device):
-        _DEQUANT.launch(
-            grid, *kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), out.stride(0),
-            **kernel_constants(w), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=w.k % block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
-        )  # fmt: skip
+        _DEQUANT.launch(grid, *args, **options)
     return out
+
+
+def _dequant_launch(
+    w: KernelWeight, out: Tensor, stride_o: int, tile: DequantLaunch
+) -> tuple[tuple[int], tuple, dict]:
+    """The grid, positional arguments and keyword constants of the dequantize kernel decoding
+    ``w`` into ``out`` (rows ``stride_o`` apart) with ``tile``; ``out`` is argument 4."""
+    args = (*kernel_args(w), out, w.n, w.k, w.data.stride(0), w.scales.stride(0), stride_o)
+    options = dict(
+        **kernel_constants(w), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=w.k % tile.block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
+    )  # fmt: skip
+    return k_first_grid(w.n, w.k, tile.block_n, tile.block_k), args, options
 
 
 class PreparedDequantize:
@@ -173,15 +181,9 @@ class PreparedDequantize:
 
     def __init__(self, w: KernelWeight, dtype: torch.dtype) -> None:
         self.shape, self.dtype, self.device = (w.n, w.k), dtype, w.data.device
-        tile = default_launch(w.n)
-        args = (
-            *kernel_args(w), w.data, w.n, w.k, w.data.stride(0), w.scales.stride(0), w.k,
-        )  # fmt: skip  # the output's slot (4) holds a placeholder
-        self.launch = _DEQUANT.prepare(
-            k_first_grid(w.n, w.k, tile.block_n, tile.block_k), args, [4], self.device,
-            **kernel_constants(w), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            EVEN_K=w.k % tile.block_k == 0, INTERPRET=interpreting(), num_warps=tile.num_warps,
-        )  # fmt: skip
+        # w.data holds the output's place (argument 4) until a call passes the output
+        grid, args, options = _dequant_launch(w, w.data, w.k, default_launch(w.n))
+        self.launch = _DEQUANT.prepare(grid, args, [4], self.device, **options)
 
     def __call__(self) -> Float[Tensor, "n k"]:
         weight = torch.empty(self.shape, dtype=self.dtype, device=self.device)
