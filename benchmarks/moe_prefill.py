@@ -39,8 +39,9 @@ from _timing import time_eager as _time_eager
 import qlens.kernels.experts as experts_module
 from qlens.kernels.code_order import permute_codes
 from qlens.kernels.configs import LinearConfig
+from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.experts import ExpertsPlan, stacked_experts
-from qlens.kernels.grouped_experts import expert_row_bounds, grouped_config, grouped_experts_linear
+from qlens.kernels.grouped_experts import grouped_config, grouped_experts_linear
 from qlens.modules import QuantExperts
 from qlens.modules.hf_experts import expert_gate_of
 from qlens.quant.dequantize import dequantize
@@ -188,7 +189,7 @@ def time_configs(x, view, num_experts: int, configs: list[LinearConfig]) -> list
 def routing(x, ids, num_experts: int, packed: bool) -> None:
     """The grouped call's work besides its launch: sorting the rows, regrouping ``x`` (packed
     4-bit words only)."""
-    expert_row_bounds(ids, num_experts)
+    sort_by_expert(ids, num_experts)
     if packed:
         permute_codes(x, for_dot=True)
 

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.layout_view import KernelWeight
 from qlens.kernels.packed_words import ExpertStrides
 from qlens.kernels.runtime import cuda_index
@@ -73,19 +74,6 @@ def _holds_experts(t: Tensor, num_experts: int) -> bool:
     return t.is_contiguous() and t.untyped_storage().nbytes() >= end
 
 
-def sort_by_expert(
-    ids: Integer[Tensor, " rows"], num_experts: int
-) -> tuple[Integer[Tensor, " rows"], Integer[Tensor, " rows"], Integer[Tensor, " experts"]]:
-    """``(sorted_ids, order, ends)``: the rows' experts sorted (ids in ``[0, num_experts)``),
-    the rows in that order, and where each expert's rows end (int32, ``torch._grouped_mm``'s
-    offsets); on the device, no host sync. Up to 256 experts sort as bytes: one radix pass
-    instead of eight for int64 ids."""
-    keys = ids.to(torch.uint8 if num_experts <= 256 else torch.int32)
-    sorted_ids, order = torch.sort(keys, stable=True)
-    experts = torch.arange(num_experts, dtype=keys.dtype, device=ids.device)
-    return sorted_ids, order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-
-
 class DecodedExperts:
     """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` for bf16 rows: the experts' stacked rows
     ``rows_view`` decoded to bf16 in one prepared launch, then one ``torch._grouped_mm`` over
@@ -102,8 +90,8 @@ class DecodedExperts:
     def __call__(
         self, x: Float[Tensor, "rows k"], bias: Tensor | None, ids: Integer[Tensor, " rows"]
     ) -> Float[Tensor, "rows n"]:
-        sorted_ids, order, ends = sort_by_expert(ids, self.num_experts)
-        product = self.on_sorted(x[order], ends, bias, sorted_ids)
+        sorted_ids, order, starts = sort_by_expert(ids, self.num_experts)
+        product = self.on_sorted(x[order], starts[1:], bias, sorted_ids)
         return torch.empty_like(product).index_copy_(0, order, product)
 
     def on_sorted(

@@ -237,6 +237,19 @@ class ExpertsPlan:
             bias = bias.contiguous()
         return call(x, bias, expert_ids)
 
+    def grouped(self, m: int, dtype: torch.dtype, no_bias: bool) -> GroupedExperts | None:
+        """The grouped launch ``m`` rows of ``dtype`` take here (prepared once and kept), or
+        ``None`` when they take another: a caller sorting the rows itself runs it through
+        ``GroupedExperts.on_order``."""
+        if self.stacked is None or m <= 0:
+            return None
+        from qlens.kernels.grouped_experts import GroupedExperts  # Triton: once a call is prepared
+
+        call = self._calls.get((m, dtype, no_bias))
+        if call is None:
+            call = self._prepare(m, dtype, no_bias)
+        return call if isinstance(call, GroupedExperts) else None
+
     def _decodes_experts(self, m: int, dtype: torch.dtype) -> bool:
         """Whether ``m`` rows of ``dtype`` take :class:`DecodedExperts`: bf16 prefill rows (at
         least ``DECODED_EXPERTS_MIN_ROWS_PER_EXPERT`` an expert on average) on a device whose

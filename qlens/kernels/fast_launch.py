@@ -170,7 +170,7 @@ class PreparedLaunch:
         if list(slots) != sorted(set(slots)) or not all(0 <= s < len(args) for s in slots):
             raise ValueError(f"slots must be increasing positions in the arguments, got {slots}")
         self.launcher = launcher
-        self._grid = (*grid, 1, 1)[:3]
+        self._grid: tuple[int, int, int] = (*grid, 1, 1)[:3]  # type: ignore[assignment]
         self._options = options
         self._slots = tuple(slots)
         # The fixed arguments between the slots: args = parts[0], t0, parts[1], t1, ...
@@ -184,6 +184,16 @@ class PreparedLaunch:
         self._device = device.index if device.type == "cuda" else None
         fixed = tuple(arg_key(arg) for part in self._parts for arg in part)
         self._site = launcher.site((fixed, self._slots, tuple(options.items())))
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The launch grid, three dimensions."""
+        return self._grid
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The constexprs and launch options, by keyword."""
+        return self._options
 
     def arguments(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
         """The kernel's positional arguments with ``tensors`` at the slots."""

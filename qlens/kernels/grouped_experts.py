@@ -1,12 +1,12 @@
 """Routed experts in one grouped launch: every (token, expert) row of every expert at once.
 
-Rows are sorted by expert on the device (a stable ``torch.sort``) and each expert's first sorted
-row found with ``torch.searchsorted`` (``torch.bincount`` reads the ids' maximum on the host
-on CUDA, a sync). Each expert's rows form ``BLOCK_M`` tiles; one program computes one tile's
-``BLOCK_N`` output columns. A program finds its tile's expert from the per-expert row bounds (a
-cumulative sum of the experts' tile counts, in registers), gathers its rows of ``x`` by their
-original positions, decodes its expert's weight tile, multiplies on tensor cores and writes the
-rows back where they came from. Packed 4-bit words take the word-wise GEMV's decode
+Rows are sorted by expert on the device (``expert_sort.sort_by_expert``: a stable
+``torch.sort``, then each expert's first sorted row by ``torch.searchsorted``; on CUDA,
+``torch.bincount`` would read the ids' maximum on the host, a sync). Each expert's rows form
+``BLOCK_M`` tiles; one program computes one tile's ``BLOCK_N`` output columns. A program finds
+its tile's expert from the per-expert row bounds (a cumulative sum of the experts' tile counts,
+in registers), gathers its rows of ``x`` by their original positions, decodes its expert's
+weight tile, multiplies on tensor cores and writes the rows back where they came from. Packed 4-bit words take the word-wise GEMV's decode
 (``packed_gemv.dot_k_range``: int4 with or without zero points, MXFP4, NVFP4 with one global
 scale or one per expert); one-byte elements (fp8-block, MXFP8, int8) the weight-only kernel's
 (``weight_only.byte_dot_tile``: the tile decoded to float32, scaled per block, then cast to
@@ -26,9 +26,10 @@ from torch import Tensor
 
 from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import LinearConfig
+from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES
-from qlens.kernels.launch import dot_kernel_args, kernel_constants, on_device
+from qlens.kernels.launch import dot_kernel_args, kernel_constants
 from qlens.kernels.packed_gemv import dot_k_range
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting, require_kernel_device
@@ -131,16 +132,6 @@ def grouped_config(rows: int, experts: int, n: int, *, packed: bool = True) -> L
     return LinearConfig("gemm", block_m, 64, 128 if packed else 64, num_warps=8, num_stages=3)
 
 
-def expert_row_bounds(
-    ids: Integer[Tensor, " rows"], experts: int
-) -> tuple[Integer[Tensor, " rows"], Integer[Tensor, " bounds"]]:
-    """``(order, bounds)``: the rows sorted by expert (stable, original positions) and each
-    expert's first sorted row, ``bounds[experts]`` = all rows; on the device, no host sync."""
-    sorted_ids, order = torch.sort(ids, stable=True)
-    wanted = torch.arange(experts + 1, dtype=sorted_ids.dtype, device=ids.device)
-    return order, torch.searchsorted(sorted_ids, wanted, out_int32=True)
-
-
 def check_grouped_inputs(x: Tensor, w: KernelWeight, num_experts: int, bias: Tensor | None) -> None:
     """Raise unless the kernels run on ``x``'s device and ``x`` and ``bias`` fit the experts
     (the activations' dtype is checked by :class:`GroupedExperts`)."""
@@ -173,15 +164,19 @@ def grouped_experts_linear(
     ``x`` and ``bias`` are contiguous. ``cfg`` overrides ``grouped_config``.
     """
     check_grouped_inputs(x, w, num_experts, bias)
-    call = GroupedExperts(w, experts, num_experts, x.shape[0], x.dtype, bias is not None, cfg)
+    call = GroupedExperts(
+        w, experts, num_experts, x.shape[0], x.dtype, bias is not None, cfg, ids_in_range=False
+    )
     return call(x, bias, experts.ids)
 
 
 class GroupedExperts:
     """The grouped launch of experts stacked at ``strides`` after the first expert's view
-    ``w``, for ``rows`` rows of ``dtype``, built once (``ExpertsPlan`` keeps one per decode row
-    count): a call regroups ``x`` (packed words), sorts the rows by expert, allocates the output
-    and launches. The inputs are not checked (:func:`grouped_experts_linear` checks them)."""
+    ``w``, for ``rows`` rows of ``dtype``, built once (``ExpertsPlan`` keeps one per row count)
+    with its launch prepared: a call sorts the rows by expert (or takes them sorted,
+    :meth:`on_order`), regroups ``x`` (packed words), allocates the output and launches. The
+    inputs are not checked (:func:`grouped_experts_linear` checks them). ``ids_in_range``: see
+    :func:`~qlens.kernels.expert_sort.sort_by_expert`."""
 
     def __init__(
         self,
@@ -192,6 +187,7 @@ class GroupedExperts:
         dtype: torch.dtype,
         has_bias: bool,
         cfg: LinearConfig | None = None,
+        ids_in_range: bool = True,
     ) -> None:
         words = word_view(w) if w.packed else None
         if w.packed and words is None:
@@ -211,16 +207,21 @@ class GroupedExperts:
         else:
             stride_xm, stride_xj = w.k, 1
         self.packed, self.num_experts = words is not None, num_experts
+        self.ids_in_range = ids_in_range
         self.out_shape, self.dtype, self.device = (rows, w.n), dtype, data.device
         max_tiles = ceil_div(rows, cfg.block_m) + min(num_experts, rows)
-        self.grid = (ceil_div(w.n, cfg.block_n) * max_tiles,)
-        self.weights = (data, scales, zeros, global_scale)
-        self.sizes = (
+        slot = data  # placeholder of a per-call tensor; an unused bias pointer points at it
+        args = (
+            slot, data, scales, zeros, global_scale, slot, slot, slot, slot,
             rows, w.n, w.k, num_experts, stride_xm, stride_xj, data.stride(0), scales.stride(0),
             w.n, strides.data, strides.scales, strides.global_scale,
         )  # fmt: skip
+        self.has_bias = has_bias
+        # x, then bias where the launch reads it, out, the sorted order and the experts' starts
+        slots = [0, *([5] if has_bias else []), 6, 7, 8]
         interpret = interpreting()
-        self.options = dict(
+        self.launch = GROUPED_EXPERTS.prepare(
+            (ceil_div(w.n, cfg.block_n) * max_tiles,), args, slots, self.device,
             **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
@@ -232,16 +233,27 @@ class GroupedExperts:
         self, x: Float[Tensor, "rows k"], bias: Tensor | None, ids: Integer[Tensor, " rows"]
     ) -> Float[Tensor, "rows n"]:
         """``out[r] = x[r] @ W[ids[r]].T + bias[ids[r]]`` (``bias``: contiguous)."""
+        _, order, starts = sort_by_expert(ids, self.num_experts, ids_in_range=self.ids_in_range)
+        return self.on_order(x, bias, order, starts)
+
+    def on_order(
+        self,
+        x: Float[Tensor, "rows k"],
+        bias: Tensor | None,
+        order: Integer[Tensor, " rows"],
+        starts: Integer[Tensor, " bounds"],
+    ) -> Float[Tensor, "rows n"]:
+        """The same for rows whose sorted order and experts' starts ``sort_by_expert`` gave (a
+        block's two projections sort once); rows and outputs stay in their own order."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.out_shape[0] == 0:
             return out
         if not x.is_contiguous():
             x = x.contiguous()
         xk = permute_codes(x, for_dot=True) if self.packed else x
-        order, bounds = expert_row_bounds(ids, self.num_experts)
-        with on_device(self.device):
-            GROUPED_EXPERTS.launch(
-                self.grid, xk, *self.weights, bias if bias is not None else xk, out, order,
-                bounds, *self.sizes, **self.options,
-            )  # fmt: skip
+        if self.has_bias:
+            assert bias is not None
+            self.launch(xk, bias if bias.is_contiguous() else bias.contiguous(), out, order, starts)
+        else:
+            self.launch(xk, out, order, starts)
         return out

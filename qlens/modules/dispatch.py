@@ -10,8 +10,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.decoded_experts import sort_by_expert
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
+from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear, require_w8a8
@@ -52,13 +52,21 @@ def fused_experts_forward(
         return linear(down_in(activate(h)), down.views[expert], _row(down_bias, expert))
 
     def rows_fn(x: Tensor, ids: Tensor) -> Tensor:
-        first_decoded = first.decoded(x.shape[0], x.dtype)
-        down_decoded = down.decoded(x.shape[0], x.dtype)
+        m, dtype = x.shape[0], x.dtype
+        first_decoded = first.decoded(m, dtype)
+        down_decoded = down.decoded(m, dtype)
         if first_decoded is not None and down_decoded is not None:  # sort the rows once
-            sorted_ids, order, ends = sort_by_expert(ids, first.num_experts)
+            sorted_ids, order, starts = sort_by_expert(ids, first.num_experts)
+            ends = starts[1:]
             h = first_decoded.on_sorted(first_in(x[order]), ends, first_bias, sorted_ids)
             out = down_decoded.on_sorted(down_in(activate(h)), ends, down_bias, sorted_ids)
             return torch.empty_like(out).index_copy_(0, order, out)
+        first_grouped = first.grouped(m, dtype, first_bias is None)
+        down_grouped = down.grouped(m, dtype, down_bias is None)
+        if first_grouped is not None and down_grouped is not None:  # here too
+            _, order, starts = sort_by_expert(ids, first.num_experts)
+            h = activate(first_grouped.on_order(first_in(x), first_bias, order, starts))
+            return down_grouped.on_order(down_in(h), down_bias, order, starts)
         h = activate(first.rows(first_in(x), ids, first_bias))
         return down.rows(down_in(h), ids, down_bias)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from grouped_launches import grouped_launch_grids
 
+from qlens.kernels.fast_launch import PreparedLaunch
 from qlens.quant.payload import QuantPayload
 from qlens.quant.quantize import quantize_weight
 
@@ -49,16 +51,9 @@ def count_grouped_launches(monkeypatch) -> list:
     """The grids of the grouped experts GEMM's launches from now on, with ``"decoded"`` for each
     call of experts decoded then multiplied by ``torch._grouped_mm`` (``DecodedExperts``, the
     bf16 prefill route on Hopper); each launch and call still runs."""
-    import qlens.kernels.grouped_experts as grouped_module
     from qlens.kernels.decoded_experts import DecodedExperts
 
-    grids: list = []
-    real = grouped_module.GROUPED_EXPERTS.launch
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda grid, *args, **kwargs: grids.append(grid) or real(grid, *args, **kwargs),
-    )
+    grids = grouped_launch_grids(monkeypatch)
     decoded = DecodedExperts.on_sorted
     monkeypatch.setattr(
         DecodedExperts,
@@ -71,7 +66,8 @@ def count_grouped_launches(monkeypatch) -> list:
 def record_grouped_launches_without_host_reads(patch) -> list:
     """Within the monkeypatch context ``patch``: every way a tensor's value reaches Python
     raises, the per-expert loop cannot run, and the grouped experts GEMM's launches are
-    recorded as ``(args, options)`` (with the grid first in ``args``), not run."""
+    recorded as ``(args, options)`` (with the grid, three dimensions, first in ``args``), not
+    run."""
     import qlens.kernels.experts as experts_module
     import qlens.kernels.grouped_experts as grouped_module
 
@@ -82,7 +78,13 @@ def record_grouped_launches_without_host_reads(patch) -> list:
         patch.setattr(torch.Tensor, name, host_read)
     patch.setattr(experts_module, "quantized_linear", None)  # no per-expert launches
     recorded: list = []
-    patch.setattr(
-        grouped_module.GROUPED_EXPERTS, "launch", lambda *a, **kw: recorded.append((a, kw))
-    )
+    real = PreparedLaunch.__call__
+
+    def record(self: PreparedLaunch, *tensors: torch.Tensor) -> None:
+        if self.launcher is not grouped_module.GROUPED_EXPERTS:
+            return real(self, *tensors)
+        recorded.append(((self.grid, *self.arguments(*tensors)), self.options))
+        return None
+
+    patch.setattr(PreparedLaunch, "__call__", record)
     return recorded

@@ -12,7 +12,7 @@ from kernel_cases import count_grouped_launches, rel_err
 
 import qlens.kernels.experts as experts_module
 from qlens.kernels import experts_linear
-from qlens.kernels.decoded_experts import sort_by_expert, stacked_rows_view
+from qlens.kernels.decoded_experts import stacked_rows_view
 from qlens.kernels.experts import stacked_view
 from qlens.quant.dequantize import dequantize
 from qlens.quant.quantize import quantize_weight
@@ -179,17 +179,3 @@ def test_quant_experts_prefill_through_decoded_experts_matches_the_loop(
     assert launches == ["decoded", "decoded"]
     # Both round each projection's output to bf16; the loop multiplies the exact weights.
     assert rel_err(decoded, loop) < 2 * EXACT_TOLERANCE
-
-
-@pytest.mark.parametrize("num_experts", [5, 256, 300])
-def test_sort_by_expert_gives_stable_order_and_grouped_mm_offsets(num_experts):
-    """Byte keys up to 256 experts, int32 beyond: a stable order, and each expert's end among
-    the sorted rows (experts without rows end where the previous one did)."""
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, num_experts, (500,), generator=gen)
-    ids[ids == 1] = 2  # expert 1 unused
-    sorted_ids, order, ends = sort_by_expert(ids, num_experts)
-    assert torch.equal(order, torch.sort(ids, stable=True).indices)
-    assert torch.equal(sorted_ids.long(), ids[order])
-    counts = torch.bincount(ids, minlength=num_experts)
-    assert ends.dtype == torch.int32 and torch.equal(ends.long(), counts.cumsum(0))

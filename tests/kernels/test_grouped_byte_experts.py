@@ -16,7 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import count_grouped_launches, record_grouped_launches_without_host_reads
+from kernel_cases import (
+    count_grouped_launches,
+    record_grouped_launches_without_host_reads,
+    rel_err,
+)
 
 import qlens.kernels.experts as experts_module
 import qlens.kernels.grouped_experts as grouped_module
@@ -120,7 +124,7 @@ def test_byte_experts_launch_once_with_no_host_read(monkeypatch):
         assert len(recorded) == 1
         (grid, *args), options = recorded[0]
         cfg = grouped_config(rows, 8, 40)
-        assert grid == (-(-rows // cfg.block_m) + min(8, rows),)  # one column tile (40)
+        assert grid == (-(-rows // cfg.block_m) + min(8, rows), 1, 1)  # one column tile (40)
         assert options["PACKED"] is False and options["GROUP_N"] == 128
         grouped_module.GROUPED_EXPERTS.launch(grid, *args, **options)
         _check(out, x, payload, ids, None)
@@ -258,3 +262,40 @@ def test_the_plan_runs_strided_rows_of_byte_experts():
     strided = plan.rows(wide[:, 32:96], ids, None)
     assert torch.equal(strided, plan.rows(wide[:, 32:96].contiguous(), ids, None))
     _check(strided, wide[:, 32:96].contiguous(), payload, ids, None)
+
+
+def test_a_block_of_byte_experts_sorts_its_rows_once(monkeypatch):
+    """A QuantExperts forward of fp8-block experts sorts the routed rows once for both
+    projections' grouped launches (a masked route among them), and matches the same module
+    run expert by expert."""
+    import qlens.modules.dispatch as dispatch_module
+    from qlens.kernels.experts import ExpertsPlan
+    from qlens.modules import ExpertGate, QuantExperts
+
+    gen = torch.Generator().manual_seed(8)
+    num_experts, hidden_size, inner, tokens, top_k = 4, 128, 128, 6, 2
+    experts = QuantExperts(
+        quantize_weight(
+            torch.randn(num_experts, 2 * inner, hidden_size, generator=gen), "fp8-block"
+        ),
+        quantize_weight(torch.randn(num_experts, hidden_size, inner, generator=gen), "fp8-block"),
+        ExpertGate("stacked", "silu"),
+    )
+    hidden = torch.randn(tokens, hidden_size, generator=gen)
+    weights, index = torch.softmax(torch.randn(tokens, num_experts, generator=gen), -1).topk(top_k)
+    index[2, 1] = num_experts  # a masked route (Mixtral's id == num_experts) is skipped
+    with torch.no_grad():
+        loop = experts(hidden, index, weights)
+        sorts = []
+        for module in (dispatch_module, grouped_module):
+            real = module.sort_by_expert
+            monkeypatch.setattr(
+                module,
+                "sort_by_expert",
+                lambda *args, real=real, **kwargs: sorts.append(args[1]) or real(*args, **kwargs),
+            )
+        launches = count_grouped_launches(monkeypatch)
+        monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
+        grouped = experts(hidden, index, weights)
+    assert sorts == [num_experts] and len(launches) == 2
+    assert rel_err(grouped, loop) < 1e-5

@@ -19,7 +19,6 @@ from qlens.kernels import experts_linear
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.experts import FUSED_EXPERT_ROWS, stacked_experts
 from qlens.kernels.grouped_experts import (
-    expert_row_bounds,
     grouped_config,
     grouped_experts_linear,
 )
@@ -110,14 +109,6 @@ def test_grouped_experts_tiles_cover_every_row(scheme):
             assert rel_err(out, ref) < TOLERANCE[torch.float32], cfg
 
 
-def test_expert_row_bounds_sort_rows_stably_on_the_device():
-    ids = torch.tensor([2, 0, 2, 3, 0, 2])
-    order, bounds = expert_row_bounds(ids, 5)
-    assert order.tolist() == [1, 4, 0, 2, 5, 3]
-    assert bounds.tolist() == [0, 2, 2, 5, 6, 6]
-    assert bounds.dtype == torch.int32
-
-
 def test_grouped_config_fits_the_tile_to_the_rows_per_expert():
     assert grouped_config(8192, 64, 1536).block_m == 64  # 128 rows an expert
     assert grouped_config(8192, 256, 1536).block_m == 32
@@ -139,13 +130,14 @@ def test_grouped_experts_launch_once_with_no_host_read(monkeypatch):
     assert len(recorded) == 1
     (grid, *args), options = recorded[0]
     cfg = grouped_config(100, 8, 32)
-    assert grid == (-(-100 // cfg.block_m) + 8,)  # one column tile (32 columns) a row tile
+    assert grid == (-(-100 // cfg.block_m) + 8, 1, 1)  # one column tile (32 columns) a row tile
     grouped_module.GROUPED_EXPERTS.launch(grid, *args, **options)
     assert rel_err(out, _reference(x, payload, ids, None)) < TOLERANCE[torch.float32]
 
 
 def test_packed_rows_outside_whole_words_keep_the_per_expert_path(monkeypatch):
-    monkeypatch.setattr(grouped_module.GROUPED_EXPERTS, "launch", None)  # must not be reached
+    for name in ("launch", "prepare"):  # must not be reached
+        monkeypatch.setattr(grouped_module.GROUPED_EXPERTS, name, None)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 3, (70,), generator=gen)
     payload = quantize_weight(torch.randn(3, 16, 90, generator=gen), "int4", group_size=32)

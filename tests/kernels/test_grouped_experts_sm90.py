@@ -18,10 +18,13 @@ from sm90_compile import compile_sm90
 
 import qlens.kernels.grouped_experts as g
 from qlens.kernels.experts import stacked_experts
+from qlens.kernels.fast_launch import PreparedLaunch
 from qlens.quant.quantize import quantize_weight
 
 recorded = []
-g.GROUPED_EXPERTS.launch = lambda grid, *args, **options: recorded.append((args, options))
+PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(
+    (self.arguments(*tensors), self.options)
+)
 g.require_kernel_device = lambda device: None  # CPU tensors stand in for the GPU's
 CASES = [  # scheme, options, rows, activations, one global scale per expert
     ("int4", {}, 640, torch.bfloat16, False),

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grouped_launches import grouped_launch_grids
 from tiny_models import input_ids, make_model
 
-import qlens.kernels.grouped_experts as grouped_module
 from qlens.kernels.runtime import interpreting
 from qlens.modules.model_quantize import quantize
 
@@ -32,13 +32,7 @@ def test_moe_prefill_takes_grouped_launches_and_matches_the_cpu_reference(
     ids = input_ids(seq=seq, batch=2)
     with torch.no_grad():
         expected = model(ids).logits  # CPU: each expert through the torch reference
-    grids: list[tuple[int, ...]] = []
-    real = grouped_module.GROUPED_EXPERTS.launch
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda grid, *args, **kwargs: grids.append(grid) or real(grid, *args, **kwargs),
-    )
+    grids = grouped_launch_grids(monkeypatch)
     model.to("cuda")
     with torch.no_grad():
         got = model(ids.cuda()).logits.cpu()

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from grouped_launches import grouped_launch_grids
 from tiny_models import input_ids, make_model
 
 from qlens.modules import ExpertGate, QuantExperts
@@ -186,22 +187,16 @@ def test_moe_forwards_route_through_grouped_launches(scheme: str, seq: int, monk
     decode step's few rows for one-byte experts; its logits match the reference route (each
     expert dequantized and multiplied by torch) to float32 rounding."""
     import qlens.kernels.experts as experts_module
-    import qlens.kernels.grouped_experts as grouped_module
     from qlens.kernels.experts import FUSED_EXPERT_ROWS
 
     model = quantize(make_model("qwen3_moe"), scheme)
     ids = input_ids(seq=seq, batch=2)  # 2 * seq tokens x top-2
     with torch.no_grad():
         expected = model(ids).logits
-    rows, launches = [], []
-    real = grouped_module.GROUPED_EXPERTS.launch
+    rows: list[int] = []
+    launches = grouped_launch_grids(monkeypatch)
     monkeypatch.setattr(
         experts_module.ExpertsPlan, "one_launch", lambda plan, n: rows.append(n) or True
-    )
-    monkeypatch.setattr(
-        grouped_module.GROUPED_EXPERTS,
-        "launch",
-        lambda *a, **kw: launches.append(a[0]) or real(*a, **kw),
     )
     monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
     monkeypatch.setattr(experts_module, "quantized_linear", None)  # nor an expert loop
