@@ -22,15 +22,15 @@ from torch import Tensor
 from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import byte_tile_codes, decode_byte_tile, decode_packed_halves
-from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
+from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.layout_view import FP8_BLOCK, INT4
 from qlens.kernels.numerics import fp8_rounded_row
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.splits import prepared_reduce, store_tile
-from qlens.kernels.weight_only import weight_only_linear
+from qlens.kernels.splits import PreparedSplitLaunch, prepared_reduce, store_tile
+from qlens.kernels.weight_only import PreparedWeightOnly
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -125,38 +125,7 @@ def _packed_block_m(m: int, cfg: LinearConfig, *, experts: bool) -> int:
     return max(16, cfg.block_m)
 
 
-class _SplitGemv:
-    """What the prepared GEMVs share: the output (and, when K is split, the float32 partials)
-    allocated per call, the prepared launch, then the split reduction."""
-
-    launch: PreparedLaunch
-    reduce: PreparedLaunch | None
-    out_shape: tuple[int, ...]
-    partials_shape: tuple[int, ...] | None
-    dtype: torch.dtype
-    device: torch.device
-    has_bias: bool
-
-    def run(self, x: Tensor, bias: Tensor | None, ids: Tensor | None = None) -> Tensor:
-        """Launch on the kernel-ready rows ``x`` (then the bias, the output, the partials and
-        the expert ids where the launch reads them) and return the output."""
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        tensors = [x, bias, out] if self.has_bias else [x, out]
-        if self.partials_shape is not None:
-            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
-            tensors.append(partials)
-        if ids is not None:
-            tensors.append(ids)
-        self.launch(*tensors)
-        if self.reduce is not None:
-            if bias is not None:
-                self.reduce(partials, bias, out)
-            else:
-                self.reduce(partials, out)
-        return out
-
-
-class PackedGemv(_SplitGemv):
+class PackedGemv(PreparedSplitLaunch):
     """The word-wise GEMV of one weight for ``m`` rows of one dtype, prepared once: grid,
     strides, constants and the weight's tensors are fixed, so a call allocates the output and
     launches (plus the split reduction when K is split).
@@ -251,7 +220,7 @@ def fp8_rounding_refusal(w: KernelWeight, cfg: LinearConfig) -> str | None:
     return None
 
 
-class ByteGemv(_SplitGemv):
+class ByteGemv(PreparedSplitLaunch):
     """The byte-wise GEMV of one weight for ``m`` rows (contiguous), prepared once like
     :class:`PackedGemv`. ``round_x``: the rows are read rounded to per-token FP8 in the weight's
     K blocks, as W8A8 reads them (block FP8 weights, ``block_k`` a multiple of the K block)."""
@@ -289,12 +258,6 @@ class ByteGemv(_SplitGemv):
             SPLIT_K=split, LOOP_STAGES=cfg.num_stages, ROUND_X=round_x, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-
-    def __call__(
-        self, x: Float[Tensor, "*rows k"], bias: Tensor | None
-    ) -> Float[Tensor, "*rows n"]:
-        """``x @ W.T + bias`` (``x``: the prepared rows, leading shape and dtype)."""
-        return self.run(x if x.is_contiguous() else x.contiguous(), bias)
 
 
 GemvCall = Callable[[Tensor, Tensor | None], Tensor]
@@ -349,8 +312,7 @@ def prepare_gemv(
         return PackedGemv(w, words, m, dtype, has_bias, cfg, out_shape=out_shape, x_as_is=x_as_is)
     if m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         splitk = replace(cfg, path="splitk")
-        shape = out_shape or (m, w.n)
-        return lambda x, bias: weight_only_linear(x.reshape(m, w.k), w, bias, splitk).view(shape)
+        return PreparedWeightOnly(w, m, dtype, has_bias, splitk, out_shape or (m, w.n))
     return ByteGemv(w, m, dtype, has_bias, cfg, out_shape)
 
 

@@ -199,6 +199,10 @@ class LinearPlan:
             from qlens.kernels.dequant import DequantizedLinear  # Triton: as above
 
             call = DequantizedLinear(w, dtype)
+        elif config.path in ("splitk", "gemm") and not self.w8a8:
+            from qlens.kernels.weight_only import PreparedWeightOnly  # Triton: as above
+
+            call = PreparedWeightOnly(w, m, dtype, not no_bias, config, out_shape)
         else:
             call = functools.partial(_launch_on, w, config, out_shape, self.w8a8)
         if len(self._calls) >= _MAX_KEPT_CONFIGS:

@@ -124,3 +124,41 @@ def split_target(out: Float[Tensor, "m n"], split: int) -> SplitTarget:
     m, n = out.shape
     partials = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     return SplitTarget(out, partials, split)
+
+
+class PreparedSplitLaunch:
+    """What the prepared launches of split-K kernels share (the GEMVs, the weight-only
+    kernel): the output (and, when K is split, the float32 partials) allocated per call, the
+    prepared launch, then the split reduction."""
+
+    launch: PreparedLaunch
+    reduce: PreparedLaunch | None
+    out_shape: tuple[int, ...]
+    partials_shape: tuple[int, ...] | None
+    dtype: torch.dtype
+    device: torch.device
+    has_bias: bool
+
+    def __call__(
+        self, x: Float[Tensor, "*rows k"], bias: Tensor | None
+    ) -> Float[Tensor, "*rows n"]:
+        """``x @ W.T + bias`` (``x``: the prepared rows, leading shape and dtype)."""
+        return self.run(x if x.is_contiguous() else x.contiguous(), bias)
+
+    def run(self, x: Tensor, bias: Tensor | None, ids: Tensor | None = None) -> Tensor:
+        """Launch on the kernel-ready rows ``x`` (then the bias, the output, the partials and
+        the expert ids where the launch reads them) and return the output."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        tensors = [x, bias, out] if self.has_bias else [x, out]
+        if self.partials_shape is not None:
+            partials = torch.empty(self.partials_shape, dtype=torch.float32, device=self.device)
+            tensors.append(partials)
+        if ids is not None:
+            tensors.append(ids)
+        self.launch(*tensors)
+        if self.reduce is not None:
+            if bias is not None:
+                self.reduce(partials, bias, out)
+            else:
+                self.reduce(partials, out)
+        return out

@@ -309,3 +309,27 @@ def test_plan_prefill_rows_take_the_prepared_decode_on_gpu(case):
     for _ in range(2):
         assert torch.equal(plan(x, bias), expected)
     assert isinstance(plan._calls[x.shape, x.dtype, False], DequantizedLinear)
+
+
+@pytest.mark.parametrize("rows", [32, 48])
+@pytest.mark.parametrize("case", SCHEMES, ids=scheme_id)
+def test_plan_few_rows_take_the_prepared_weight_only_launch_on_gpu(case, rows):
+    """Rows on the weight-only path (``"splitk"``, ``"gemm"``) through a plan: the kept
+    prepared launch (direct launches from the second call) gives exactly the unprepared
+    launch's output, with and without bias."""
+    from qlens.kernels.plan import LinearPlan
+    from qlens.kernels.weight_only import PreparedWeightOnly, weight_only_linear
+
+    payload = quantized(512, 1024, case).to("cuda")
+    plan = LinearPlan(payload, torch.device("cuda"))
+    config = plan.config(rows)
+    if config.path not in ("splitk", "gemm"):
+        pytest.skip(f"{rows} rows of this scheme take the {config.path!r} path")
+    x = torch.randn(1, rows, 1024, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(512, device="cuda").to(torch.bfloat16)
+    view = kernel_weight(payload)
+    for b in (bias, None):
+        expected = weight_only_linear(x.reshape(rows, 1024), view, b, config).view(1, rows, 512)
+        for _ in range(3):
+            assert torch.equal(plan(x, b), expected)
+        assert isinstance(plan._calls[x.shape, x.dtype, b is None], PreparedWeightOnly)
