@@ -299,3 +299,20 @@ def test_a_block_of_byte_experts_sorts_its_rows_once(monkeypatch):
         grouped = experts(hidden, index, weights)
     assert sorts == [num_experts] and len(launches) == 2
     assert rel_err(grouped, loop) < 1e-5
+
+
+def test_the_plan_names_the_grouped_launch_a_block_can_sort_for():
+    """``ExpertsPlan.grouped``: the kept grouped launch for one-byte experts at any row count
+    and packed 4-bit experts past the GEMV's rows; ``None`` where the word-wise GEMV runs."""
+    from qlens.kernels.experts import FUSED_EXPERT_ROWS, ExpertsPlan
+    from qlens.kernels.grouped_experts import GroupedExperts
+
+    gen = torch.Generator().manual_seed(9)
+    cpu = torch.device("cpu")
+    byte = ExpertsPlan(quantize_weight(torch.randn(4, 24, 128, generator=gen), "fp8-block"), cpu)
+    packed = ExpertsPlan(quantize_weight(torch.randn(4, 24, 64, generator=gen), "int4"), cpu)
+    launch = byte.grouped(3, torch.float32, True)
+    assert isinstance(launch, GroupedExperts)
+    assert byte.grouped(3, torch.float32, True) is launch  # kept
+    assert packed.grouped(FUSED_EXPERT_ROWS, torch.float32, True) is None
+    assert isinstance(packed.grouped(FUSED_EXPERT_ROWS + 1, torch.float32, True), GroupedExperts)
