@@ -29,7 +29,7 @@ from qlens.kernels.numerics import fp8_rounded_row
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.splits import PreparedSplitLaunch, prepared_reduce, store_tile
+from qlens.kernels.splits import PreparedSplitLaunch, store_tile
 from qlens.kernels.weight_only import PreparedWeightOnly
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
@@ -157,11 +157,11 @@ class PackedGemv(PreparedSplitLaunch):
         if use_dot:
             require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
         split = 1 if experts is not None else cfg.split_k
-        device = words.device
-        self.m, self.k, self.n, self.for_dot, self.has_bias = m, w.k, w.n, use_dot, has_bias
-        self.out_shape, self.dtype, self.device = out_shape or (m, w.n), dtype, device
-        self.partials_shape = (split, m, w.n) if split > 1 else None
-        self.reduce = prepared_reduce(split, m, w.n, has_bias, device, words) if split > 1 else None
+        self.m, self.k, self.n, self.for_dot = m, w.k, w.n, use_dot
+        # x, then bias, out, partials and expert ids where the launch reads them
+        slots = self._prepare_outputs(m, w.n, dtype, has_bias, split, out_shape, words)
+        slots += [8] if experts is not None else []
+        device = self.device
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
         self.regroup = use_dot or (not x_as_is and w.family != INT4)
         if self.regroup:
@@ -176,9 +176,6 @@ class PackedGemv(PreparedSplitLaunch):
             *((0, 0, 0) if experts is None else (experts.data, experts.scales,
                                                  experts.global_scale)),
         )  # fmt: skip
-        # x, then bias, out, partials and expert ids where the launch reads them
-        slots = [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
-        slots += [8] if experts is not None else []
         interpret = interpreting()
         self.launch = PACKED_GEMV.prepare(
             (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split), args, slots, device,
@@ -239,18 +236,15 @@ class ByteGemv(PreparedSplitLaunch):
         if refusal is not None:
             raise ValueError(refusal)
         split = cfg.split_k
-        self.has_bias, self.out_shape, self.dtype = has_bias, out_shape or (m, w.n), dtype
-        self.partials_shape = (split, m, w.n) if split > 1 else None
         data, scales, zeros, global_scale = kernel_args(w)
-        device = self.device = data.device
-        self.reduce = prepared_reduce(split, m, w.n, has_bias, device, data) if split > 1 else None
+        slots = self._prepare_outputs(m, w.n, dtype, has_bias, split, out_shape, data)
+        device = self.device
         slot = data  # placeholder of a per-call tensor; unused pointers point at the data
         args = (
             slot, data, scales, zeros, global_scale, slot, slot, slot,
             m, w.n, w.k, w.k, w.data.stride(0), w.scales.stride(0), w.n,
             m * w.n if split > 1 else 0,
         )  # fmt: skip
-        slots = [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
         self.launch = _GEMV.prepare(
             (ceil_div(w.n, cfg.block_n), m, split), args, slots, device,
             **kernel_constants(w), HAS_BIAS=has_bias,

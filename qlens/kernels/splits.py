@@ -139,6 +139,29 @@ class PreparedSplitLaunch:
     device: torch.device
     has_bias: bool
 
+    def _prepare_outputs(
+        self,
+        m: int,
+        n: int,
+        dtype: torch.dtype,
+        has_bias: bool,
+        split: int,
+        out_shape: tuple[int, ...] | None,
+        placeholder: Tensor,
+    ) -> list[int]:
+        """Set the output (``out_shape``, default ``[m, n]``, of ``dtype``), the partials of a
+        launch split ``split`` ways and their prepared reduction, on ``placeholder``'s device
+        (it stands for the reduction's per-call tensors). Returns the launch's slots: ``x``
+        (argument 0), then the bias (5), the output (6) and the partials (7) where it reads them."""
+        device = placeholder.device
+        self.out_shape, self.dtype, self.device = out_shape or (m, n), dtype, device
+        self.has_bias = has_bias
+        self.partials_shape = (split, m, n) if split > 1 else None
+        self.reduce = (
+            prepared_reduce(split, m, n, has_bias, device, placeholder) if split > 1 else None
+        )
+        return [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
+
     def __call__(
         self, x: Float[Tensor, "*rows k"], bias: Tensor | None
     ) -> Float[Tensor, "*rows n"]:

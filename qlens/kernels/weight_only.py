@@ -21,7 +21,7 @@ from qlens.kernels.decode import decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import kernel_args, kernel_constants, on_device
 from qlens.kernels.runtime import interpreting
-from qlens.kernels.splits import PreparedSplitLaunch, prepared_reduce, split_target, store_tile
+from qlens.kernels.splits import PreparedSplitLaunch, split_target, store_tile
 from qlens.kernels.weights import KernelWeight
 from qlens.quant.codecs.checks import ceil_div
 
@@ -227,20 +227,15 @@ class PreparedWeightOnly(PreparedSplitLaunch):
         split = cfg.split_k
         n, k = w.n, w.k
         data, scales, zeros, global_scale = kernel_args(w)
-        device = data.device
-        self.out_shape, self.dtype, self.device, self.has_bias = out_shape, dtype, device, has_bias
-        self.partials_shape = (split, m, n) if split > 1 else None
-        self.reduce = prepared_reduce(split, m, n, has_bias, device, data) if split > 1 else None
+        slots = self._prepare_outputs(m, n, dtype, has_bias, split, out_shape, data)
         slot = data  # placeholder of a per-call tensor; unused pointers point at the data
         args = (
             slot, data, scales, zeros, global_scale, slot, slot, slot,
             m, n, k, k, w.data.stride(0), w.scales.stride(0), n, m * n if split > 1 else 0,
         )  # fmt: skip
-        # x, then bias, out and the partials where the launch reads them
-        slots = [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
         tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
         self.launch = _WEIGHT_ONLY.prepare(
-            (tiles, split), args, slots, device, **kernel_constants(w), HAS_BIAS=has_bias,
+            (tiles, split), args, slots, self.device, **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
             EVEN_K=k % cfg.block_k == 0, WEIGHT_LEFT=cfg.path == "gemm" and w.packed,
             GROUP_M=cfg.group_m, INTERPRET=interpreting(),
