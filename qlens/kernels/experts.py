@@ -199,7 +199,7 @@ class ExpertsPlan:
         self.stacked = stacked_view(payload)
         self._config = choose_config(1, n, k, device, packed_words=True)
         self._calls: dict[tuple[int, torch.dtype, bool], ExpertsCall] = {}
-        self._grouped: dict[tuple[int, torch.dtype, bool], GroupedExperts | None] = {}
+        self._grouped: dict[tuple[int, torch.dtype, bool], GroupedExperts] = {}  # among _calls
         self._views: tuple[QuantPayload, ...] | None = None
         self._rows_view: KernelWeight | None = None
         self._decoded: DecodedExperts | None = None  # bf16 only
@@ -242,21 +242,12 @@ class ExpertsPlan:
         """The grouped launch ``m`` rows of ``dtype`` take here (prepared once and kept), or
         ``None`` when they take another: a caller sorting the rows itself runs it through
         ``GroupedExperts.on_order``."""
+        if self.stacked is None or m <= 0:
+            return None
         key = (m, dtype, no_bias)
-        if key in self._grouped:  # kept: a decode step asks twice a block
-            return self._grouped[key]
-        grouped = None
-        if self.stacked is not None and m > 0:
-            from qlens.kernels.grouped_experts import GroupedExperts  # Triton: as in _prepare
-
-            call = self._calls.get(key)
-            if call is None:
-                call = self._prepare(m, dtype, no_bias)
-            grouped = call if isinstance(call, GroupedExperts) else None
-        if len(self._grouped) >= _MAX_KEPT_CALLS:
-            self._grouped.clear()
-        self._grouped[key] = grouped
-        return grouped
+        if key not in self._calls:
+            self._prepare(m, dtype, no_bias)
+        return self._grouped.get(key)
 
     def _decodes_experts(self, m: int, dtype: torch.dtype) -> bool:
         """Whether ``m`` rows of ``dtype`` take :class:`DecodedExperts`: bf16 prefill rows (at
@@ -293,6 +284,10 @@ class ExpertsPlan:
 
         assert self.stacked is not None
         w, strides = self.stacked
+        if len(self._calls) >= _MAX_KEPT_CALLS:
+            self._calls.clear()
+            self._grouped.clear()
+        key = (m, dtype, no_bias)
         call: ExpertsCall
         if w.packed and m <= FUSED_EXPERT_ROWS:
             words = word_view(w)
@@ -301,10 +296,10 @@ class ExpertsPlan:
         elif (decoded := self.decoded(m, dtype)) is not None:  # decode, then a grouped GEMM
             call = decoded
         else:  # one byte an element, or prefill rows: the grouped GEMM
-            call = GroupedExperts(w, strides, self.num_experts, m, dtype, not no_bias)
-        if len(self._calls) >= _MAX_KEPT_CALLS:
-            self._calls.clear()
-        self._calls[m, dtype, no_bias] = call
+            call = self._grouped[key] = GroupedExperts(
+                w, strides, self.num_experts, m, dtype, not no_bias
+            )
+        self._calls[key] = call
         return call
 
 
