@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 # Python puts this script's folder first on sys.path, where kernels.py would shadow the
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._e2e_models import build_model, shapes, weight_gib  # noqa: E402
-from benchmarks._timing import header, publish  # noqa: E402
+from benchmarks._timing import header, median_wall_s, publish  # noqa: E402
 
 PROMPT_TOKENS = 32
 TIMING = (
@@ -43,19 +42,6 @@ TIMING = (
     "by one each round) after one untimed round; the ratios are medians over rounds of each "
     "round's ratio against bf16"
 )
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed_s(call: Callable[[], object]) -> float:
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    return time.perf_counter() - start
 
 
 def gpu_ops_per_step(model: nn.Module, prompt: torch.Tensor) -> int | str:
@@ -70,10 +56,10 @@ def gpu_ops_per_step(model: nn.Module, prompt: torch.Tensor) -> int | str:
         token = out.logits[:, -1:].argmax(-1)
         step = lambda: model(token, past_key_values=out.past_key_values, use_cache=True)  # noqa: E731
         step()
-        sync()
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
-            sync()
+            torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
@@ -117,7 +103,7 @@ def main() -> None:
             for name in order:
                 model = models[name]
                 for kind, call in (("prefill", prefill(model)), ("decode", decode(model))):
-                    seconds = timed_s(call)
+                    seconds = median_wall_s(call, repeats=1, warmup=0)
                     if round_:
                         times[name][kind].append(seconds)
             print(f"<!-- round {round_} done -->", flush=True)
