@@ -16,6 +16,7 @@ exec python -m pytest -q -p no:cacheprovider "$@" \
     tests/kernels/test_gpu_kernels.py \
     tests/kernels/test_gpu_fast_launch.py \
     tests/kernels/test_gpu_grouped_experts.py \
+    tests/kernels/test_gpu_moe_decode.py \
     tests/kernels/test_tinygemm_peer.py \
     tests/quant/test_load_packed.py \
     tests/quant/adopt/test_adopt_torchao_int4_gpu.py \

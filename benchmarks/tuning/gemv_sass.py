@@ -45,7 +45,7 @@ def recorded_launch(scheme: str, n: int, k: int) -> tuple:
     from qlens.quant.quantize import quantize_weight
 
     configs.gpu_name = lambda device: "NVIDIA H200"
-    configs._sm_count = lambda device: 132
+    configs.sm_count = lambda device: 132
     dispatch.require_kernel_device = lambda device: None
     recorded: list[tuple] = []
     PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(  # type: ignore[method-assign]

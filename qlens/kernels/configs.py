@@ -77,7 +77,8 @@ def _next_pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device``'s GPU (1 elsewhere)."""
     if device.type == "cuda":
         return _cuda_sm_count(cuda_index(device))
     return 1
@@ -148,7 +149,7 @@ def choose_config(
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)
-    return _table_config(m, n, k, gpu_name(device), _sm_count(device), w8a8, packed_words, int4)
+    return _table_config(m, n, k, gpu_name(device), sm_count(device), w8a8, packed_words, int4)
 
 
 HOPPER_NAME = re.compile(r"\bG?H(100|200|800|20)\b")

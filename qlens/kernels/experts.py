@@ -12,13 +12,15 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.configs import choose_config
+from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.decoded_experts import (
     DECODED_EXPERTS_MIN_ROWS_PER_EXPERT,
     grouped_mm_device,
     stacked_rows_view,
 )
-from qlens.kernels.dispatch import quantized_linear
+from qlens.kernels.dispatch import ACTIVATION_DTYPES, quantized_linear
+from qlens.kernels.gate_rule import GateRule
+from qlens.kernels.launch import kernel_args
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
 from qlens.kernels.runtime import capturing_cuda_graph, kernel_device_problem
 from qlens.kernels.weights import (
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from qlens.kernels.decoded_experts import DecodedExperts
     from qlens.kernels.gemv import PackedGemv
     from qlens.kernels.grouped_experts import GroupedExperts
+    from qlens.kernels.moe_decode import FusedMoeDecode
 
     ExpertsCall: TypeAlias = PackedGemv | GroupedExperts | DecodedExperts
 
@@ -203,6 +206,9 @@ class ExpertsPlan:
         self._views: tuple[QuantPayload, ...] | None = None
         self._rows_view: KernelWeight | None = None
         self._decoded: DecodedExperts | None = None  # bf16 only
+        # The fused decodes prepared with the down projection of ``_fused_down`` (one at a time)
+        self._fused: dict[tuple[object, ...], FusedMoeDecode | None] = {}
+        self._fused_down: ExpertsPlan | None = None
         if self.stacked is not None and grouped_mm_device(device):
             self._rows_view = stacked_rows_view(*self.stacked, experts)
 
@@ -248,6 +254,65 @@ class ExpertsPlan:
         if key not in self._calls:
             self._prepare(m, dtype, no_bias)
         return self._grouped.get(key)
+
+    def fused_decode(
+        self,
+        down: ExpertsPlan,
+        rule: GateRule,
+        tokens: int,
+        top_k: int,
+        dtype: torch.dtype,
+        biases: tuple[bool, bool],
+    ) -> FusedMoeDecode | None:
+        """The two-launch decode (``qlens.kernels.moe_decode``) of ``tokens`` tokens routed to
+        ``top_k`` experts each, this plan's payload the gate|up projection and ``down``'s the
+        down one, or ``None`` where the unfused launches run instead: more than
+        ``FUSED_EXPERT_ROWS`` routed rows, experts not stacked as the kernels read them
+        (``stacked_view``), no accelerator. ``biases``: whether each projection has one. Prepared once per shape and
+        kept (the answer too) while ``down`` stays the same plan."""
+        if down is not self._fused_down:
+            self._fused.clear()
+            self._fused_down = down
+        key = (tokens, top_k, dtype, biases, rule)
+        try:
+            return self._fused[key]
+        except KeyError:
+            pass
+        fused = None
+        if self._fuses_with(down, tokens * top_k, dtype):
+            from qlens.kernels.moe_decode import FusedMoeDecode  # Triton: on a GPU only
+
+            fused = FusedMoeDecode(
+                self._fused_side(), down._fused_side(), self.num_experts, rule, tokens, top_k,
+                dtype, biases,
+            )  # fmt: skip
+        if len(self._fused) >= _MAX_KEPT_CALLS:
+            self._fused.clear()
+        self._fused[key] = fused
+        return fused
+
+    def _fuses_with(self, down: ExpertsPlan, rows: int, dtype: torch.dtype) -> bool:
+        return (
+            0 < rows <= FUSED_EXPERT_ROWS
+            and dtype in ACTIVATION_DTYPES
+            and self.num_experts == down.num_experts
+            and self._accelerated
+            and down._accelerated
+            and self.stacked is not None
+            and down.stacked is not None
+        )
+
+    def _fused_side(self) -> tuple[KernelWeight, Tensor, ExpertStrides, LinearConfig]:
+        """What the fused decode reads of this projection: its first expert view, the data the
+        kernels read (int32 words of packed 4-bit codes, or bytes), the experts' strides and
+        the one-row GEMV's config of one expert."""
+        assert self.stacked is not None
+        w, strides = self.stacked
+        if w.packed:
+            words = word_view(w)
+            assert words is not None  # stacked_view takes packed rows of whole words only
+            return w, words, strides, self._config
+        return w, kernel_args(w)[0], strides, choose_config(1, w.n, w.k, self.device)
 
     def _decodes_experts(self, m: int, dtype: torch.dtype) -> bool:
         """Whether ``m`` rows of ``dtype`` take :class:`DecodedExperts`: bf16 prefill rows (at

@@ -52,6 +52,40 @@ def _byte_row(x_row, k0, K, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K
 
 @triton.jit
 @no_type_check
+def byte_k_range(
+    x_row, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, first_row, k_begin, k_end, N, K,
+    stride_d, stride_s,
+    FAMILY: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED_SCALES: tl.constexpr, LOOP_STAGES: tl.constexpr, ROUND_X: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[BLOCK_N]``: ``sum_k W[n, k] * x[k]`` over ``[k_begin, k_end)`` for the row
+    ``x_row`` of a one-byte-per-element weight's rows ``offs_n``. ``SHARED_SCALES``: the rows
+    share the scales of ``first_row`` (a block FP8 tile inside one block of rows), which then
+    multiply ``x`` once a K step instead of every weight."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=LOOP_STAGES):
+        if SHARED_SCALES:
+            w, s = byte_tile_codes(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, first_row, k0, N, K,
+                stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            acc += w * (_byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET) * s)
+        else:
+            w = decode_byte_tile(
+                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
+                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
+                EVEN_K,
+            )  # fmt: skip
+            acc += w * _byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+@no_type_check
 def _gemv_kernel(
     x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, stride_xm, stride_d, stride_s, stride_om, stride_split,
@@ -75,10 +109,7 @@ def _gemv_kernel(
     x_row = x_ptr + row * stride_xm
     if PACKED:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-        if PACKED:
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=LOOP_STAGES):
             even, odd = decode_packed_halves(
                 data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
                 FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
@@ -88,21 +119,14 @@ def _gemv_kernel(
             x = tl.load(x_row + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
             x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
             acc += even * x_even[None, :] + odd * x_odd[None, :]
-        elif GROUP_N % BLOCK_N == 0:  # the tile's rows share their scales: x takes them
-            w, s = byte_tile_codes(
-                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, first_row, k0, N, K,
-                stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K,
-            )  # fmt: skip
-            acc += w * (_byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET) * s)
-        else:
-            w = decode_byte_tile(
-                data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_d, stride_s,
-                FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K,
-                EVEN_K,
-            )  # fmt: skip
-            acc += w * _byte_row(x_row, k0, K, BLOCK_K, GROUP_K, EVEN_K, ROUND_X, INTERPRET)
-    total = tl.sum(acc, axis=1)
+        total = tl.sum(acc, axis=1)
+    else:
+        total = byte_k_range(
+            x_row, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, first_row, k_begin, k_end,
+            N, K, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K, GROUP_N % BLOCK_N == 0, LOOP_STAGES,
+            ROUND_X, INTERPRET,
+        )  # fmt: skip
     store_tile(total[None, :], out_ptr, partial_ptr, bias_ptr, row + tl.arange(0, 1), offs_n, M,
                N, stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
 

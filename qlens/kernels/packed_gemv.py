@@ -327,6 +327,43 @@ def _fma_quads(
 
 @triton.jit
 @no_type_check
+def quads_k_range(
+    x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full, k_end,
+    N, K, stride_xm, stride_w, stride_s,
+    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[BLOCK_N]``: ``sum_k W[n, k] * x[m, k]`` over ``[k_begin, k_end)`` for the one
+    row ``offs_m`` (``[1]``) of ``x`` as the caller holds it (``_fma_quads``): whole
+    ``BLOCK_K`` steps up to ``k_full`` unmasked along K, then the masked rest."""
+    if QUADS_LEAD:
+        acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 4), dtype=tl.float32)
+    else:
+        acc = tl.zeros((4, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
+        acc = _fma_quads(
+            acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
+            stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
+            BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
+        )  # fmt: skip
+    if k_full < k_end:
+        acc = _fma_quads(
+            acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, N, K,
+            stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
+            BLOCK_N, BLOCK_K, True, True, USE_ASM,
+        )  # fmt: skip
+    # [BLOCK_N, words] in word order, summed as the regrouped row's tiles are
+    if QUADS_LEAD:
+        acc = tl.permute(acc, (1, 0, 2))
+    else:
+        acc = tl.permute(acc, (1, 2, 0))
+    return tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), axis=1)
+
+
+@triton.jit
+@no_type_check
 def _dot_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
@@ -427,28 +464,11 @@ def packed_gemv_kernel(
             BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
         )  # fmt: skip
     elif X_NATURAL:  # one row as the caller holds it
-        if QUADS_LEAD:
-            acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 4), dtype=tl.float32)
-        else:
-            acc = tl.zeros((4, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
-        for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
-            acc = _fma_quads(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
-                K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
-            )  # fmt: skip
-        if k_full < k_end:
-            acc = _fma_quads(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-                GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
-            )  # fmt: skip
-        # [BLOCK_N, words] in word order, summed as the regrouped row's tiles are
-        if QUADS_LEAD:
-            acc = tl.permute(acc, (1, 0, 2))
-        else:
-            acc = tl.permute(acc, (1, 2, 0))
-        total = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), axis=1)[None, :]
+        total = quads_k_range(
+            xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full,
+            k_end, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, LOOP_STAGES,
+        )[None, :]  # fmt: skip
     else:  # one row regrouped (BLOCK_M == 1)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):

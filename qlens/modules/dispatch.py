@@ -13,10 +13,11 @@ from torch import Tensor
 from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.experts import ExpertsPlan
+from qlens.kernels.gate_rule import GateRule
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear, require_w8a8
 from qlens.kernels.reference import fp8_rounded_activations
-from qlens.modules.routing import route_to_experts
+from qlens.modules.routing import check_routing, route_to_experts
 from qlens.quant.payload import QuantPayload
 
 
@@ -30,10 +31,15 @@ def fused_experts_forward(
     down_bias: Float[Tensor, "experts hidden"] | None,
     activate: Callable[[Tensor], Tensor],
     w8a8_groups: tuple[int, int] | None = None,
+    rule: GateRule | None = None,
 ) -> Float[Tensor, "tokens hidden"]:
     """``down(activate(first(x)))`` of fused ``[experts, out, in]`` payloads (their kept
     ``ExpertsPlan``) for every routed (token, expert) pair, weighted and summed as
     ``route_to_experts`` does (ids outside ``[0, experts of first)`` skipped).
+
+    ``rule``: ``activate`` as the fused decode computes it (``ExpertGate.kernel_rule``), or
+    ``None`` when it has no fused form. Few routed rows of packed 4-bit experts then run in two
+    launches, the routing read in the kernels (``ExpertsPlan.fused_decode``).
 
     ``w8a8_groups`` (the K blocks of ``first`` and ``down``): each projection's input is
     rounded to FP8 per token and block first (``fp8_rounded_activations``), as W8A8 reads it.
@@ -45,6 +51,17 @@ def fused_experts_forward(
     two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
 
+    if w8a8_groups is None and rule is not None:
+        check_routing(hidden_states, top_k_index, top_k_weights)
+        tokens, k = top_k_index.shape
+        biases = (first_bias is not None, down_bias is not None)
+        fused = first.fused_decode(down, rule, tokens, k, hidden_states.dtype, biases)
+        if fused is not None:
+            return fused(
+                _contiguous(hidden_states), _contiguous(top_k_index), _contiguous(top_k_weights),
+                None if first_bias is None else _contiguous(first_bias),
+                None if down_bias is None else _contiguous(down_bias),
+            )  # fmt: skip
     first_in, down_in = _inputs(w8a8_groups)
 
     def expert_fn(expert: int, x: Tensor) -> Tensor:
@@ -118,6 +135,10 @@ def _traced_rows(
 ) -> Tensor:
     h = compiled_experts_linear(first_in(x), ids, first_tensors, first_key, first_bias)
     return compiled_experts_linear(down_in(activate(h)), ids, down_tensors, down_key, down_bias)
+
+
+def _contiguous(x: Tensor) -> Tensor:
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _as_is(x: Tensor) -> Tensor:

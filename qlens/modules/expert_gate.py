@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 from jaxtyping import Float
 from torch import Tensor
 
+from qlens.kernels.gate_rule import ACTIVATIONS, GateRule
+
 GATE_LAYOUTS = ("stacked", "interleaved")
 
 
@@ -26,6 +28,7 @@ class ExpertGate:
     alpha: float | None = None
     limit: float | None = None
     _act: ClassVar[Any]  # the activation module, set per instance (not a field)
+    kernel_rule: ClassVar[GateRule | None]  # what the fused decode reads (not a field)
 
     def __post_init__(self) -> None:
         if self.layout not in GATE_LAYOUTS:
@@ -38,6 +41,11 @@ class ExpertGate:
 
             # Looked up once here, not on first use: torch.compile traces ``apply``.
             object.__setattr__(self, "_act", ACT2FN[self.activation])
+        rule = None
+        if self.activation in ACTIVATIONS:
+            interleaved = self.layout == "interleaved"
+            rule = GateRule(interleaved, self.activation, self.alpha or 0.0, self.limit or 0.0)
+        object.__setattr__(self, "kernel_rule", rule)
 
     def split(
         self, gate_up: Float[Tensor, "*batch two_i"]

@@ -125,7 +125,7 @@ class QuantExperts(PayloadModule):
         return fused_experts_forward(
             hidden_states, index, weights, self.experts_plan("gate_up", hidden_states),
             self.experts_plan("down", hidden_states), self.gate_up_bias, self.down_bias,
-            self.gate.apply, self._w8a8_groups,
+            self.gate.apply, self._w8a8_groups, self.gate.kernel_rule,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

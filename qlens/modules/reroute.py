@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from qlens.kernels.experts import experts_plan_for
+from qlens.kernels.gate_rule import GateRule
 from qlens.kernels.op_payloads import offer_to_ops
 from qlens.kernels.ops import compiled_linear
 from qlens.kernels.plan import plan_for, require_w8a8
@@ -370,10 +371,10 @@ def _experts_forward(
     )  # fmt: skip
     first_bias = getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
     down_bias = getattr(self, "down_proj_bias", None)
-    activate = _gate_fn(self) if has_gate else self.act_fn
+    activate, rule = _gate_fn(self) if has_gate else (self.act_fn, None)
     return fused_experts_forward(
         hidden_states, top_k_index, top_k_weights, first_plan, down_plan, first_bias, down_bias,
-        activate, self.__dict__.get(_W8A8),
+        activate, self.__dict__.get(_W8A8), rule,
     )  # fmt: skip
 
 
@@ -413,18 +414,22 @@ def _traced_experts(
         (down_tensors, down_key),
         getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None),
         getattr(self, "down_proj_bias", None),
-        _gate_fn(self) if has_gate else self.act_fn,
+        _gate_fn(self)[0] if has_gate else self.act_fn,
         self.__dict__.get(_W8A8),
     )  # fmt: skip
 
 
-def _gate_fn(module: Any) -> Callable[[Tensor], Tensor]:
-    """The module's gating, built on its first forward and kept on it."""
+def _gate_fn(module: Any) -> tuple[Callable[[Tensor], Tensor], GateRule | None]:
+    """The module's gating and its fused form (``ExpertGate.kernel_rule``; ``None`` for a
+    module's own ``_apply_gate``), built on its first forward and kept on it."""
     gate = module.__dict__.get(_GATE)
     if gate is None:
         own = getattr(module, "_apply_gate", None)
-        # Mxfp4GptOssExperts: the kernel fuses GPT-OSS' interleaved, clamped SwiGLU.
-        gate = own or ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit).apply
+        if own is not None:
+            gate = (own, None)
+        else:  # Mxfp4GptOssExperts: the hub kernel fuses GPT-OSS' interleaved, clamped SwiGLU
+            rule = ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit)
+            gate = (rule.apply, rule.kernel_rule)
         module.__dict__[_GATE] = gate
     return gate
 

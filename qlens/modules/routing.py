@@ -15,6 +15,21 @@ ExpertFn = Callable[[int, Tensor], Tensor]
 RowsFn = Callable[[Tensor, Tensor], Tensor]
 
 
+def check_routing(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> None:
+    """Raise unless the routing is ``[tokens, hidden]``, ``[tokens, k]``, ``[tokens, k]``."""
+    if (
+        top_k_index.shape != top_k_weights.shape
+        or top_k_index.ndim != 2
+        or hidden_states.ndim != 2
+        or top_k_index.shape[0] != hidden_states.shape[0]
+    ):
+        raise ValueError(
+            f"routing shapes disagree: hidden_states {list(hidden_states.shape)}, top_k_index "
+            f"{list(top_k_index.shape)}, top_k_weights {list(top_k_weights.shape)}; expected "
+            f"[tokens, hidden], [tokens, k], [tokens, k]"
+        )
+
+
 def route_to_experts(
     hidden_states: Float[Tensor, "tokens hidden"],
     top_k_index: Integer[Tensor, "tokens k"],
@@ -34,12 +49,7 @@ def route_to_experts(
     loop); skipped routes then run expert 0 with a zero weight, and each token's routes are
     weighted and summed by one batched product.
     """
-    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"routing shapes disagree: hidden_states {list(hidden_states.shape)}, top_k_index "
-            f"{list(top_k_index.shape)}, top_k_weights {list(top_k_weights.shape)}; expected "
-            f"[tokens, hidden], [tokens, k], [tokens, k]"
-        )
+    check_routing(hidden_states, top_k_index, top_k_weights)
     if rows_fn is not None:
         tokens, k = top_k_index.shape
         safe = top_k_index.clamp(0, num_experts - 1)  # skipped routes: expert 0, weight 0

@@ -86,7 +86,7 @@ def h200(monkeypatch):
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(configs, "gpu_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(configs, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     return configs
 
 
@@ -216,7 +216,7 @@ def test_table_choices_are_kept_per_gpu(h200, monkeypatch):
     assert (kept.block_n, kept.block_k) == (4, 2048) and (other.block_n, other.block_k) == (64, 128)
     # 16 split-K tiles: split until about two programs per SM.
     assert choose_config(2, 1024, 4096, gpu).split_k == 16
-    monkeypatch.setattr(configs, "_sm_count", lambda device: 16)
+    monkeypatch.setattr(configs, "sm_count", lambda device: 16)
     assert choose_config(2, 1024, 4096, gpu).split_k == 2
 
 

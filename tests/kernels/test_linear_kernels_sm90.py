@@ -21,7 +21,7 @@ from sm90_compile import compile_sm90
 
 # The H200's launch tables, with CPU tensors standing in for the GPU's.
 configs.gpu_name = lambda device: "NVIDIA H200"
-configs._sm_count = lambda device: 132
+configs.sm_count = lambda device: 132
 dispatch.require_kernel_device = lambda device: None
 recorded = []
 FastLaunch.launch = lambda self, grid, *args, **options: recorded.append(

@@ -389,6 +389,40 @@ def test_quant_experts_decode_is_one_launch_per_projection(counts: Counts, monke
     torch.testing.assert_close(first, loop, atol=1e-5, rtol=1e-5)
 
 
+def test_quant_experts_fused_decode_is_two_direct_launches(counts: Counts, monkeypatch) -> None:
+    """On an accelerator (taken here by the CPU's plans), a decode step of silu experts is the
+    fused MoE decode: two launches a call, nothing else prepared or looked up after the first."""
+    import qlens.kernels.moe_decode as moe_decode
+    from qlens.kernels.experts import ExpertsPlan
+
+    init = ExpertsPlan.__init__
+
+    def accelerated(plan, *args, **kwargs):
+        init(plan, *args, **kwargs)
+        plan._accelerated = True
+
+    model = quantize(make_model("qwen3_moe"), "int4")
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    x = torch.randn(1, 128)
+    index, weights_ = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
+    with torch.no_grad():
+        loop = experts(x, index, weights_)  # the expert loop (the CPU's choice)
+        monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+        experts.forget_prepared()
+        direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
+        for launcher in (moe_decode._GATE_UP, moe_decode._DOWN_SUM):
+            monkeypatch.setattr(launcher, "_compiled", {})
+        first = experts(x, index, weights_)
+        after_first = counts.snapshot()
+        assert direct.snapshot() == (2, 2)  # gate|up with the activation, down with the sum
+        lookups.calls = 0
+        for call in range(1, CALLS + 1):
+            assert torch.equal(experts(x, index, weights_), first)
+            assert direct.snapshot() == (2, 2 + 2 * call)
+    assert counts.snapshot() == after_first and lookups.calls == 0
+    torch.testing.assert_close(first, loop, atol=1e-5, rtol=1e-5)
+
+
 def test_rerouted_linear_decode_call_is_one_direct_launch(counts: Counts, monkeypatch) -> None:
     from qlens.modules.reroute import reroute_quantized_modules
 
