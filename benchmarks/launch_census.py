@@ -74,6 +74,7 @@ def force_h200_kernel_route(launches: collections.Counter[str]) -> None:
     import qlens.kernels.fp8_w8a8 as fp8_w8a8
     import qlens.kernels.gemv as gemv
     import qlens.kernels.grouped_experts as grouped
+    import qlens.kernels.moe_decode as moe_decode
     import qlens.kernels.plan as plan
     import qlens.kernels.sibling_gemv as sibling_gemv
     import qlens.kernels.splits as splits
@@ -83,10 +84,17 @@ def force_h200_kernel_route(launches: collections.Counter[str]) -> None:
 
     plan.choose_route = lambda payload, device: ("kernel", None)
     ExpertsPlan.one_launch = lambda self, rows: True
+    plan_init = ExpertsPlan.__init__
+
+    def accelerated(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        plan_init(self, *args, **kwargs)
+        self._accelerated = True  # the CPU's plans take the expert loop otherwise
+
+    ExpertsPlan.__init__ = accelerated
     configs.interpreting = lambda: False
     configs.gpu_name = lambda device: "NVIDIA H200"
-    configs._sm_count = lambda device: 132
-    for module in (gemv, sibling_gemv, splits, grouped, fp8_w8a8, dequant, weight_only):
+    configs.sm_count = lambda device: 132
+    for module in (gemv, sibling_gemv, splits, grouped, fp8_w8a8, dequant, weight_only, moe_decode):
         for name, value in list(vars(module).items()):
             if isinstance(value, FastLaunch):
                 kernel_name = getattr(value.kernel, "__name__", name).strip("_")
