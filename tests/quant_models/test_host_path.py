@@ -363,35 +363,14 @@ def test_a_new_row_count_or_dtype_prepares_one_more_launch(counts: Counts, monke
     assert counts.snapshot()[1:] == (1, 2, 1)  # one check, one launch choice per row count
 
 
-def test_quant_experts_decode_is_one_launch_per_projection(counts: Counts, monkeypatch) -> None:
-    from qlens.kernels.experts import ExpertsPlan
-
-    model = quantize(make_model("qwen3_moe"), "int4")
-    experts = model.get_submodule("model.layers.0.mlp.experts")
-    x = torch.randn(1, 128)
-    index, weights_ = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
-    with torch.no_grad():
-        loop = experts(x, index, weights_)  # the expert loop (the CPU's choice)
-        monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
-        experts.forget_prepared()
-        direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
-        first = experts(x, index, weights_)
-        after_first, launched = counts.snapshot(), direct.snapshot()
-        # gate_up and down: one launch each, one normal launch per key (the two projections
-        # share one when Triton would specialize them alike)
-        keys = len(gemv.PACKED_GEMV.cached_keys())
-        assert launched == (keys, 2) and keys in (1, 2)
-        lookups.calls = 0
-        for call in range(1, CALLS + 1):
-            assert torch.equal(experts(x, index, weights_), first)
-            assert direct.snapshot() == (keys, 2 + 2 * call)
-    assert counts.snapshot() == after_first and lookups.calls == 0
-    torch.testing.assert_close(first, loop, atol=1e-5, rtol=1e-5)
-
-
-def test_quant_experts_fused_decode_is_two_direct_launches(counts: Counts, monkeypatch) -> None:
-    """On an accelerator (taken here by the CPU's plans), a decode step of silu experts is the
-    fused MoE decode: two launches a call, nothing else prepared or looked up after the first."""
+@pytest.mark.parametrize("fused", (False, True), ids=("unfused", "fused"))
+def test_quant_experts_decode_is_two_direct_launches(
+    fused: bool, counts: Counts, monkeypatch
+) -> None:
+    """A one-token call of silu experts launches twice and prepares or looks up nothing after
+    the first: on an accelerator (taken here by the CPU's plans) the fused MoE decode (gate|up
+    with the activation, then down with the weighted sum); with only the one-launch rows, the
+    word-wise GEMV once a projection."""
     import qlens.kernels.moe_decode as moe_decode
     from qlens.kernels.experts import ExpertsPlan
 
@@ -407,18 +386,25 @@ def test_quant_experts_fused_decode_is_two_direct_launches(counts: Counts, monke
     index, weights_ = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
     with torch.no_grad():
         loop = experts(x, index, weights_)  # the expert loop (the CPU's choice)
-        monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+        if fused:
+            monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+        else:
+            monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
         experts.forget_prepared()
         direct, lookups = DirectLaunches(monkeypatch), Lookups(monkeypatch)
         for launcher in (moe_decode._GATE_UP, moe_decode._DOWN_SUM):
             monkeypatch.setattr(launcher, "_compiled", {})
         first = experts(x, index, weights_)
-        after_first = counts.snapshot()
-        assert direct.snapshot() == (2, 2)  # gate|up with the activation, down with the sum
+        after_first, launched = counts.snapshot(), direct.snapshot()
+        # one normal launch per key: the fused decode's two kernels, or the GEMV's (the two
+        # projections share one when Triton would specialize them alike)
+        keys = 2 if fused else len(gemv.PACKED_GEMV.cached_keys())
+        assert launched == (keys, 2) and keys in (1, 2)
+        assert len(moe_decode._DOWN_SUM.cached_keys()) == fused  # the fused kernels ran, or not
         lookups.calls = 0
         for call in range(1, CALLS + 1):
             assert torch.equal(experts(x, index, weights_), first)
-            assert direct.snapshot() == (2, 2 + 2 * call)
+            assert direct.snapshot() == (keys, 2 + 2 * call)
     assert counts.snapshot() == after_first and lookups.calls == 0
     torch.testing.assert_close(first, loop, atol=1e-5, rtol=1e-5)
 
