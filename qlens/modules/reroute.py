@@ -420,18 +420,31 @@ def _traced_experts(
 
 
 def _gate_fn(module: Any) -> tuple[Callable[[Tensor], Tensor], GateRule | None]:
-    """The module's gating and its fused form (``ExpertGate.kernel_rule``; ``None`` for a
-    module's own ``_apply_gate``), built on its first forward and kept on it."""
+    """The module's gating and its fused form (``ExpertGate.kernel_rule``, or ``None`` where
+    the fused MoE decode cannot compute it), built on its first forward and kept on it."""
     gate = module.__dict__.get(_GATE)
     if gate is None:
         own = getattr(module, "_apply_gate", None)
         if own is not None:
-            gate = (own, None)
+            gate = (own, _SILU_GATE.kernel_rule if _computes_silu_gate(own) else None)
         else:  # Mxfp4GptOssExperts: the hub kernel fuses GPT-OSS' interleaved, clamped SwiGLU
             rule = ExpertGate("interleaved", "clamped_swiglu", module.alpha, module.limit)
             gate = (rule.apply, rule.kernel_rule)
         module.__dict__[_GATE] = gate
     return gate
+
+
+_SILU_GATE = ExpertGate("stacked", "silu")
+
+
+def _computes_silu_gate(apply_gate: Callable[[Tensor], Tensor]) -> bool:
+    """Whether a module's own gating (transformers' ``FP8Experts._apply_gate``, whose clamps,
+    softcaps and activation follow the config) is ``silu(gate) * up`` on ``[gate; up]`` rows:
+    checked once, exactly, on values from -64 to 64 that a clamp, a softcap or another
+    activation would change."""
+    values = torch.linspace(-64.0, 64.0, 257)
+    probe = torch.cat([values[None], values.flip(0)[None]], dim=1)  # [1, 2 * 257]
+    return torch.equal(apply_gate(probe), _SILU_GATE.apply(probe))
 
 
 def _mxfp4_mlp_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor]:

@@ -187,25 +187,41 @@ def test_gpt_oss_mxfp4_experts_run_through_qlens() -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", (False, True), ids=("unfused", "fused"))
 @pytest.mark.parametrize("checkpoint", ["gpt_oss mxfp4", "mixtral fp8"])
 def test_rerouted_experts_in_one_launch_match_without_a_host_check(
-    checkpoint: str, monkeypatch
+    checkpoint: str, fused: bool, monkeypatch
 ) -> None:
-    """The one-launch experts path of a rerouted module (forced here: the interpreter runs the
-    kernels on CPU tensors) matches the reference and reads no expert ids on the host:
+    """The one-launch experts paths of a rerouted module (forced here: the interpreter runs the
+    kernels on CPU tensors) match the reference and read no expert ids on the host:
     transformers' Mxfp4GptOssExperts through the word-wise GEMV, its FP8Experts (block FP8)
-    through the grouped GEMM."""
+    through the grouped GEMM; on an accelerator (``fused``) both through the fused MoE decode,
+    GPT-OSS' clamped SwiGLU and FP8Experts' own gate (checked to be ``silu(gate) * up``)."""
+    import qlens.kernels.moe_decode as moe_decode
     from qlens.kernels.experts import ExpertsPlan
 
     model, reference = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
     reroute_quantized_modules(model)
     ids = input_ids()[:, :4]  # 4 tokens x top-k routes: few rows, one launch per projection
     monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
+    init, calls = ExpertsPlan.__init__, []
+    if fused:
+
+        def accelerated(plan, *args, **kwargs):
+            init(plan, *args, **kwargs)
+            plan._accelerated = True
+
+        run = moe_decode.FusedMoeDecode.__call__
+        monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+        monkeypatch.setattr(
+            moe_decode.FusedMoeDecode, "__call__", lambda *a: calls.append(1) or run(*a)
+        )
     monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
     monkeypatch.setattr("qlens.kernels.experts.quantized_linear", None)  # nor an expert loop
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert len(calls) == (1 if fused else 0)  # the one MoE layer, fused or not
 
 
 def _hadamard(size: int) -> torch.Tensor:
@@ -275,3 +291,21 @@ def test_runnable_quantized_modules_are_left_alone_unless_forced() -> None:
     x = torch.randn(3, 128)
     weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
     torch.testing.assert_close(layer(x), F.linear(x, weight.float(), layer.bias))
+
+
+def test_an_own_gate_is_fused_only_when_it_computes_silu_times_up() -> None:
+    from qlens.modules.reroute import _computes_silu_gate
+
+    def gate(act, clamp=None):
+        def apply(gate_up: torch.Tensor) -> torch.Tensor:
+            g, up = gate_up.chunk(2, dim=-1)
+            if clamp is not None:
+                g, up = g.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+            return act(g) * up
+
+        return apply
+
+    assert _computes_silu_gate(gate(torch.nn.functional.silu))
+    assert not _computes_silu_gate(gate(torch.nn.functional.silu, clamp=7.0))  # a swiglu limit
+    assert not _computes_silu_gate(gate(torch.nn.functional.gelu))
+    assert not _computes_silu_gate(gate(lambda g: torch.tanh(g / 30) * 30 * torch.sigmoid(g)))
