@@ -152,16 +152,31 @@ def _modules() -> dict[str, object]:
     gate_up = quantize_weight(torch.randn(8, 1024, 1024), "int4", group_size=128)
     down = quantize_weight(torch.randn(8, 1024, 512), "int4", group_size=128)
     experts = QuantExperts(gate_up, down, ExpertGate("stacked", "silu"))
+    fused = QuantExperts(gate_up, down, ExpertGate("stacked", "silu"))
     x, h = torch.randn(1, 4096), torch.randn(1, 1024)
     index, weights = torch.tensor([[1, 5]]), torch.tensor([[0.6, 0.4]])
     small, small_w = torch.randn(1, 16), torch.randn(16, 16)
+    label = "QuantExperts forward, int4 8 x 1024 x 1024 and 8 x 1024 x 512, one token, top 2"
     return {
         "F.linear, fp32 1 x 16 by 16 x 16 (torch's dispatch)": lambda: F.linear(small, small_w),
         "QuantLinear forward, int4 4096 x 4096, one token": lambda: linear(x),
-        "QuantExperts forward, int4 8 x 1024 x 1024 and 8 x 1024 x 512, one token, top 2": (
-            lambda: experts(h, index, weights)
-        ),
+        label: lambda: experts(h, index, weights),
+        **_fused_experts(f"{label}, fused decode", fused, h, index, weights),
     }
+
+
+def _fused_experts(label: str, experts: QuantExperts, *call: torch.Tensor) -> dict[str, object]:
+    """``experts`` on the fused MoE decode (its plans taken as an accelerator's), launches
+    stubbed out; nothing on a tree without it."""
+    try:
+        import qlens.kernels.moe_decode as moe_decode
+    except ImportError:
+        return {}
+    for name in ("_GATE_UP", "_DOWN_SUM"):
+        setattr(moe_decode, name, FastLaunch(_NoLaunch()))
+    for prefix in ("gate_up", "down"):  # the plans, built before any forward asks them
+        experts.experts_plan(prefix, call[0])._accelerated = True
+    return {label: lambda: experts(*call)}
 
 
 def _sibling_projections() -> dict[str, object]:
