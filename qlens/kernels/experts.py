@@ -187,8 +187,10 @@ class ExpertsPlan:
     accelerator, a format the kernels read, few rows); ``rows(x, ids, bias)`` runs them, on
     the launch prepared once per (row count, dtype, bias or none) for contiguous experts (the
     word-wise GEMV for packed 4-bit words up to ``FUSED_EXPERT_ROWS`` rows, the grouped GEMM
-    beyond and for one-byte experts), else through :func:`experts_linear`. ``views`` are the experts' own payloads. Built by
-    :func:`experts_plan_for`, which keeps it on the payload.
+    beyond and for one-byte experts), else through :func:`experts_linear`. ``fused_decode``
+    prepares a whole block's decode with the down projection's plan (two launches). ``views``
+    are the experts' own payloads. Built by :func:`experts_plan_for`, which keeps it on the
+    payload.
     """
 
     def __init__(self, payload: QuantPayload, device: torch.device) -> None:
@@ -268,8 +270,8 @@ class ExpertsPlan:
         ``top_k`` experts each, this plan's payload the gate|up projection and ``down``'s the
         down one, or ``None`` where the unfused launches run instead: more than
         ``FUSED_EXPERT_ROWS`` routed rows, experts not stacked as the kernels read them
-        (``stacked_view``), no accelerator. ``biases``: whether each projection has one. Prepared once per shape and
-        kept (the answer too) while ``down`` stays the same plan."""
+        (``stacked_view``), no accelerator. ``biases``: whether each projection has one.
+        Prepared once per shape and kept (the answer too) while ``down`` stays the same plan."""
         if down is not self._fused_down:
             self._fused.clear()
             self._fused_down = down

@@ -30,7 +30,7 @@ from qlens.kernels.configs import LinearConfig, sm_count
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gate_rule import ACTIVATIONS, GateRule
 from qlens.kernels.gemv import byte_k_range
-from qlens.kernels.launch import kernel_args
+from qlens.kernels.launch import kernel_args, kernel_constants
 from qlens.kernels.numerics import cast_out
 from qlens.kernels.packed_gemv import quads_k_range
 from qlens.kernels.packed_words import ExpertStrides
@@ -76,20 +76,19 @@ def _row_product(
     USE_ASM: tl.constexpr, LOOP_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """float32 ``[BLOCK_N]``: rows ``offs_n`` of a weight times row ``row`` of ``x`` (``[.., K]``,
-    contiguous), over all of K: the word-wise GEMV's tile for packed 4-bit
-    words, the byte-wise one for one-byte weights (each row its own scales)."""
+    contiguous), over all of K: the word-wise GEMV's tile for packed 4-bit words, the byte-wise
+    one for one-byte weights (each row its own scales)."""
     if PACKED:
         return quads_k_range(
             x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, row + tl.arange(0, 1), offs_n, 0,
-            K - K % BLOCK_K,
-            K, N, K, K, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, LOOP_STAGES,
+            K - K % BLOCK_K, K, N, K, K, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, LOOP_STAGES,
         )  # fmt: skip
     else:
         return byte_k_range(
-            x_ptr + row * K, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, offs_n, 0, K, N, K, stride_d,
-            stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
-            BLOCK_K, EVEN_K, False, LOOP_STAGES, False, INTERPRET,
+            x_ptr + row * K, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_n, offs_n, 0, K, N,
+            K, stride_d, stride_s, FAMILY, GROUP_N, GROUP_K, SCALE_E8M0, HAS_ZEROS,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, EVEN_K, False, LOOP_STAGES, False, INTERPRET,
         )  # fmt: skip
 
 
@@ -188,24 +187,6 @@ _GATE_UP = FastLaunch(_gate_up_kernel)
 _DOWN_SUM = FastLaunch(_down_sum_kernel)
 
 
-def _format_constants(w: KernelWeight, block_k: int) -> dict[str, object]:
-    return {
-        "FAMILY": w.family,
-        "PACKED": w.packed,
-        "GROUP_N": w.group_n,
-        "EVEN_K": w.k % block_k == 0,
-        "GROUP_K": w.group_k,
-        "SCALE_E8M0": w.scale_e8m0,
-        "HAS_ZEROS": w.zeros is not None,
-        "GLOBAL_DIVIDE": w.global_divide,
-    }
-
-
-def _weight_args(w: KernelWeight, data: Tensor) -> tuple[Tensor, ...]:
-    _, scales, zeros, global_scale = kernel_args(w)
-    return data, scales, zeros, global_scale
-
-
 class FusedMoeDecode:
     """Routed experts for ``tokens`` tokens of ``top_k`` routes, prepared once:
     ``call(x [tokens, hidden], ids [tokens, top_k], weights [tokens, top_k], gate_up_bias,
@@ -242,15 +223,16 @@ class FusedMoeDecode:
         self.gate_up = _GATE_UP.prepare(
             (ceil_div(inner, cfg1.block_n), tokens * top_k),
             (
-                slot, slot, *_weight_args(w1, data1), slot, slot, inner, hidden, num_experts,
+                slot, slot, data1, *kernel_args(w1)[1:], slot, slot, inner, hidden, num_experts,
                 float(rule.alpha), float(rule.limit), data1.stride(0), w1.scales.stride(0),
                 strides1.data, strides1.scales, strides1.global_scale,
             ),
             [0, 1, *([6] if first_bias else []), 7],
             self.device,
             TOP_K=top_k, INTERLEAVED=rule.interleaved, ACTIVATION=ACTIVATIONS[rule.activation],
-            **_format_constants(w1, cfg1.block_k), HAS_BIAS=first_bias, BLOCK_N=cfg1.block_n,
-            BLOCK_K=cfg1.block_k, MASK_N=inner % cfg1.block_n != 0, USE_ASM=not interpret,
+            **kernel_constants(w1), EVEN_K=w1.k % cfg1.block_k == 0, HAS_BIAS=first_bias,
+            BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, MASK_N=inner % cfg1.block_n != 0,
+            USE_ASM=not interpret,
             LOOP_STAGES=cfg1.num_stages, INTERPRET=interpret, num_warps=cfg1.num_warps,
             num_stages=cfg1.num_stages,
         )  # fmt: skip
@@ -261,14 +243,15 @@ class FusedMoeDecode:
         self.down_sum = _DOWN_SUM.prepare(
             (ceil_div(hidden, block_n), tokens),
             (
-                slot, slot, slot, *_weight_args(w2, data2), slot, slot, hidden, inner,
+                slot, slot, slot, data2, *kernel_args(w2)[1:], slot, slot, hidden, inner,
                 num_experts, data2.stride(0), w2.scales.stride(0), strides2.data,
                 strides2.scales, strides2.global_scale,
             ),
             [0, 1, 2, *([7] if down_bias else []), 8],
             self.device,
-            TOP_K=top_k, **_format_constants(w2, cfg2.block_k), HAS_BIAS=down_bias, BLOCK_N=block_n,
-            BLOCK_K=cfg2.block_k, MASK_N=hidden % block_n != 0, USE_ASM=not interpret,
+            TOP_K=top_k, **kernel_constants(w2), EVEN_K=w2.k % cfg2.block_k == 0,
+            HAS_BIAS=down_bias, BLOCK_N=block_n, BLOCK_K=cfg2.block_k,
+            MASK_N=hidden % block_n != 0, USE_ASM=not interpret,
             LOOP_STAGES=cfg2.num_stages, INTERPRET=interpret, num_warps=cfg2.num_warps,
             num_stages=cfg2.num_stages,
         )  # fmt: skip
