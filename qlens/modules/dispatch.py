@@ -38,8 +38,8 @@ def fused_experts_forward(
     ``route_to_experts`` does (ids outside ``[0, experts of first)`` skipped).
 
     ``rule``: ``activate`` as the fused decode computes it (``ExpertGate.kernel_rule``), or
-    ``None`` when it has no fused form. Few routed rows of packed 4-bit experts then run in two
-    launches, the routing read in the kernels (``ExpertsPlan.fused_decode``).
+    ``None`` when it has no fused form. Few routed rows of packed 4-bit or one-byte experts then
+    run in two launches, the routing read in the kernels (``ExpertsPlan.fused_decode``).
 
     ``w8a8_groups`` (the K blocks of ``first`` and ``down``): each projection's input is
     rounded to FP8 per token and block first (``fp8_rounded_activations``), as W8A8 reads it.
@@ -50,9 +50,8 @@ def fused_experts_forward(
     ids. Otherwise each hit expert runs its
     two linears (``qlens.kernels.linear`` on the expert's kept payload view).
     """
-
+    check_routing(hidden_states, top_k_index, top_k_weights)
     if w8a8_groups is None and rule is not None:
-        check_routing(hidden_states, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         biases = (first_bias is not None, down_bias is not None)
         fused = first.fused_decode(down, rule, tokens, k, hidden_states.dtype, biases)
@@ -109,6 +108,7 @@ def traced_experts_forward(
     """``fused_experts_forward`` as ``torch.compile`` traces it: every (token, route) row at once
     through the ``qlens::experts_linear`` op, no data-dependent Python. ``first`` and ``down``
     are (payload tensors, spec key[, number of experts])."""
+    check_routing(hidden_states, top_k_index, top_k_weights)
     (first_tensors, first_key, num_experts), (down_tensors, down_key) = first, down
     # A partial, not a closure: no function is defined inside the traced region.
     rows_fn = functools.partial(

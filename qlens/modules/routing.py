@@ -48,8 +48,9 @@ def route_to_experts(
     ``i`` of ``rows`` through expert ``ids[i]`` (one kernel launch per projection, no per-expert
     loop); skipped routes then run expert 0 with a zero weight, and each token's routes are
     weighted and summed by one batched product.
+
+    The shapes are the caller's to check (``check_routing``), once, where a forward enters.
     """
-    check_routing(hidden_states, top_k_index, top_k_weights)
     if rows_fn is not None:
         tokens, k = top_k_index.shape
         safe = top_k_index.clamp(0, num_experts - 1)  # skipped routes: expert 0, weight 0

@@ -155,6 +155,21 @@ def test_bad_construction_and_calls_raise() -> None:
         ExpertGate("interleaved", "clamped_swiglu", alpha=1.0)
 
 
+def test_routing_of_other_shapes_is_refused_with_the_shapes() -> None:
+    """The check every experts forward (eager, fused or traced) runs once as it enters."""
+    from qlens.modules.routing import check_routing
+
+    index, weights = _routing(3, 2, k=2)
+    shapes = r"routing shapes disagree: hidden_states \[3, 32\], top_k_index \[3, 2\]"
+    with pytest.raises(ValueError, match=shapes + r", top_k_weights \[3, 1\]"):
+        check_routing(torch.randn(3, 32), index, weights[:, :1])
+    with pytest.raises(ValueError, match=r"hidden_states \[1, 3, 32\]"):  # batch not flattened
+        check_routing(torch.randn(1, 3, 32), index, weights)
+    with pytest.raises(ValueError, match=r"hidden_states \[4, 32\]"):
+        check_routing(torch.randn(4, 32), index, weights)
+    check_routing(torch.randn(3, 32), index, weights)
+
+
 def test_payloads_are_exposed_and_float_weights_are_not() -> None:
     gate_up = quantize_weight(torch.randn(2, 64, 32), "mxfp8")
     down = quantize_weight(torch.randn(2, 32, 32), "mxfp8")
