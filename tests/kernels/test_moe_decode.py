@@ -147,3 +147,21 @@ def test_gates_without_a_fused_form_have_no_rule():
     assert ExpertGate("stacked", "silu").kernel_rule == GateRule(False, "silu")
     with pytest.raises(ValueError, match="no fused kernel for the activation 'gelu'"):
         GateRule(False, "gelu")
+
+
+def test_projections_of_other_blocks_are_refused():
+    from qlens.kernels.moe_decode import FusedMoeDecode
+
+    first, _ = _plans(("int4", {}))
+    _, other = _plans(("int4", {}), seed=1)
+    wide = quantize_weight(torch.randn(EXPERTS, HIDDEN, 2 * INNER), "int4")  # down of 2 * INNER
+    wide_plan = ExpertsPlan(wide, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"gate_up experts \[96, 64\] do not match down experts"):
+        FusedMoeDecode(
+            first._fused_side(), wide_plan._fused_side(), EXPERTS, GATES[0].kernel_rule, 1, 2,
+            torch.float32, (False, False),
+        )  # fmt: skip
+    assert FusedMoeDecode(
+        first._fused_side(), other._fused_side(), EXPERTS, GATES[0].kernel_rule, 1, 2,
+        torch.float32, (False, False),
+    ).inner == INNER  # fmt: skip
