@@ -1,4 +1,5 @@
-"""The modules' forward: eager calls go to ``qlens.kernels.linear``, traced ones to the ops."""
+"""The modules' eager forward: calls go to ``qlens.kernels.linear`` and the kept plans
+(``traced_experts``: the experts' forward as ``torch.compile`` traces it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.experts import ExpertsPlan
 from qlens.kernels.gate_rule import GateRule
-from qlens.kernels.ops import compiled_experts_linear
 from qlens.kernels.plan import linear, require_w8a8
 from qlens.kernels.reference import fp8_rounded_activations
 from qlens.modules.routing import check_routing, route_to_experts
@@ -61,7 +61,7 @@ def fused_experts_forward(
                 None if first_bias is None else _contiguous(first_bias),
                 None if down_bias is None else _contiguous(down_bias),
             )  # fmt: skip
-    first_in, down_in = _inputs(w8a8_groups)
+    first_in, down_in = projection_inputs(w8a8_groups)
 
     def expert_fn(expert: int, x: Tensor) -> Tensor:
         h = linear(first_in(x), first.views[expert], _row(first_bias, expert))
@@ -94,49 +94,6 @@ def fused_experts_forward(
     )  # fmt: skip
 
 
-def traced_experts_forward(
-    hidden_states: Float[Tensor, "tokens hidden"],
-    top_k_index: Integer[Tensor, "tokens k"],
-    top_k_weights: Float[Tensor, "tokens k"],
-    first: tuple[list[Tensor], str, int],
-    down: tuple[list[Tensor], str],
-    first_bias: Float[Tensor, "experts inner"] | None,
-    down_bias: Float[Tensor, "experts hidden"] | None,
-    activate: Callable[[Tensor], Tensor],
-    w8a8_groups: tuple[int, int] | None = None,
-) -> Float[Tensor, "tokens hidden"]:
-    """``fused_experts_forward`` as ``torch.compile`` traces it: every (token, route) row at once
-    through the ``qlens::experts_linear`` op, no data-dependent Python. ``first`` and ``down``
-    are (payload tensors, spec key[, number of experts])."""
-    check_routing(hidden_states, top_k_index, top_k_weights)
-    (first_tensors, first_key, num_experts), (down_tensors, down_key) = first, down
-    # A partial, not a closure: no function is defined inside the traced region.
-    rows_fn = functools.partial(
-        _traced_rows, first_tensors, first_key, first_bias, down_tensors, down_key, down_bias,
-        activate, *_inputs(w8a8_groups),
-    )  # fmt: skip
-    return route_to_experts(
-        hidden_states, top_k_index, top_k_weights, num_experts, _unused_expert_fn, rows_fn
-    )
-
-
-def _traced_rows(
-    first_tensors: list[Tensor],
-    first_key: str,
-    first_bias: Tensor | None,
-    down_tensors: list[Tensor],
-    down_key: str,
-    down_bias: Tensor | None,
-    activate: Callable[[Tensor], Tensor],
-    first_in: Callable[[Tensor], Tensor],
-    down_in: Callable[[Tensor], Tensor],
-    x: Tensor,
-    ids: Tensor,
-) -> Tensor:
-    h = compiled_experts_linear(first_in(x), ids, first_tensors, first_key, first_bias)
-    return compiled_experts_linear(down_in(activate(h)), ids, down_tensors, down_key, down_bias)
-
-
 def _contiguous(x: Tensor) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
@@ -163,7 +120,7 @@ def experts_w8a8_groups(first: Any, down: Any) -> tuple[int, int]:
     return first.format.block[1], down.format.block[1]
 
 
-def _inputs(
+def projection_inputs(
     w8a8_groups: tuple[int, int] | None,
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     """What each projection does to its input first: nothing, or with ``w8a8_groups`` (the
@@ -172,10 +129,6 @@ def _inputs(
         return _as_is, _as_is
     first, down = w8a8_groups
     return functools.partial(_fp8_rounded, first), functools.partial(_fp8_rounded, down)
-
-
-def _unused_expert_fn(expert: int, x: Tensor) -> Tensor:
-    raise AssertionError("route_to_experts runs rows_fn when given one")
 
 
 def _row(bias: Tensor | None, expert: int) -> Tensor | None:

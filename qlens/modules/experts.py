@@ -8,13 +8,10 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from qlens.modules.dispatch import (
-    experts_w8a8_groups,
-    fused_experts_forward,
-    traced_experts_forward,
-)
+from qlens.modules.dispatch import experts_w8a8_groups, fused_experts_forward
 from qlens.modules.expert_gate import ExpertGate
 from qlens.modules.payload_buffers import PayloadModule, traced_payload
+from qlens.modules.traced_experts import traced_experts_forward
 from qlens.quant.expert_payloads import num_experts_of
 from qlens.quant.payload import QuantPayload
 
@@ -121,6 +118,7 @@ class QuantExperts(PayloadModule):
                 (*traced_payload(self._buffers, self._traced_gate_up), self.num_experts),
                 traced_payload(self._buffers, self._traced_down),
                 self.gate_up_bias, self.down_bias, self.gate.apply, self._traced_gate_up[2],
+                self.gate.kernel_rule,
             )  # fmt: skip
         return fused_experts_forward(
             hidden_states, index, weights, self.experts_plan("gate_up", hidden_states),

@@ -37,9 +37,9 @@ from qlens.modules.dispatch import (
     check_payload_device,
     experts_w8a8_groups,
     fused_experts_forward,
-    traced_experts_forward,
 )
 from qlens.modules.expert_gate import ExpertGate
+from qlens.modules.traced_experts import traced_experts_forward
 from qlens.quant import adopt
 from qlens.quant.adopt.compressed_tensors import (
     detach_decompress_hook,
@@ -408,14 +408,14 @@ def _traced_experts(
 ) -> Tensor:
     kept = _traced_adoption(self)
     has_gate = "gate_up_proj" in kept
+    activate, rule = _gate_fn(self) if has_gate else (self.act_fn, None)
     down_tensors, down_key, _ = kept["down_proj"]
     return traced_experts_forward(
         hidden_states, top_k_index, top_k_weights, kept["gate_up_proj" if has_gate else "up_proj"],
         (down_tensors, down_key),
         getattr(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", None),
         getattr(self, "down_proj_bias", None),
-        _gate_fn(self)[0] if has_gate else self.act_fn,
-        self.__dict__.get(_W8A8),
+        activate, self.__dict__.get(_W8A8), rule,
     )  # fmt: skip
 
 
