@@ -2,7 +2,8 @@
 # The GPU test run, as on the H200: every test file with GPU-only tests, the Triton
 # interpreter off, the optional libraries' wheels installed from .whl/ when present.
 # Run from the repository root on a CUDA machine: `bash benchmarks/gpu_tests.sh [pytest args]`
-# (pytest-xdist spreads the files over the cores: `bash benchmarks/gpu_tests.sh -n 14`).
+# (pytest-xdist spreads the files over the cores: `bash benchmarks/gpu_tests.sh -n 4`; with 8
+# workers the largest cases ran out of an H100's memory).
 set -euo pipefail
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -39,3 +39,37 @@ def count_stacked_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(sibling_gemv.SiblingGemv, "stacked", counted)
     return launches
+
+
+def accelerate_experts_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts plans built from now on are taken as an accelerator's (the interpreter runs the
+    kernels on CPU tensors; CPU plans run the expert loop otherwise)."""
+    from qlens.kernels.experts import ExpertsPlan
+
+    init = ExpertsPlan.__init__
+
+    def accelerated(plan, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(plan, *args, **kwargs)
+        plan._accelerated = True
+
+    monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+
+
+def count_fused_moe_decodes(
+    monkeypatch: pytest.MonkeyPatch, *, accelerate: bool = False
+) -> list[int]:
+    """A list that grows by one per fused MoE decode call (``FusedMoeDecode``, two launches),
+    each still running; ``accelerate``: :func:`accelerate_experts_plans` too."""
+    import qlens.kernels.moe_decode as moe_decode
+
+    calls: list[int] = []
+    run = moe_decode.FusedMoeDecode.__call__
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(1)
+        return run(self, *args)
+
+    monkeypatch.setattr(moe_decode.FusedMoeDecode, "__call__", counted)
+    if accelerate:
+        accelerate_experts_plans(monkeypatch)
+    return calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_route import count_fused_moe_decodes
 from tiny_models import input_ids, make_model
 
 from qlens.modules.model_quantize import quantize
@@ -41,15 +42,10 @@ def test_a_compiled_moe_decode_step_runs_the_fused_decode(
 ) -> None:
     """One token a sequence: each MoE block's routed experts are one ``qlens::moe_decode`` node,
     which launches the fused decode (recorded into the CUDA graph under reduce-overhead)."""
-    import qlens.kernels.moe_decode as moe_decode
-
     torch._dynamo.reset()
     model = quantize(make_model("qwen3_moe"), scheme).to("cuda", torch.bfloat16)
     ids = input_ids(seq=1).cuda()
-    run, calls = moe_decode.FusedMoeDecode.__call__, []
-    monkeypatch.setattr(
-        moe_decode.FusedMoeDecode, "__call__", lambda *a: calls.append(1) or run(*a)
-    )
+    calls = count_fused_moe_decodes(monkeypatch)
     with torch.no_grad():
         eager = model(ids).logits
         eager_calls = len(calls)

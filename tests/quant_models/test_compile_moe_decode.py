@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_route import count_fused_moe_decodes
 from tiny_models import input_ids, make_model
 
 import qlens.modules.traced_experts as traced_experts
@@ -145,21 +146,8 @@ def test_a_compiled_moe_model_gives_the_eager_logits_at_decode_and_prefill() -> 
 @pytest.mark.usefixtures("cpu_traces_the_node")
 def test_the_node_runs_the_fused_decode_where_the_plans_are_accelerated(monkeypatch) -> None:
     """In the interpreter, plans taken as an accelerator's: the compiled step launches the
-    fused decode, and matches the eager step within a bf16 rounding of each output."""
-    import qlens.kernels.moe_decode as moe_decode
-    from qlens.kernels.experts import ExpertsPlan
-
-    init, calls = ExpertsPlan.__init__, []
-
-    def accelerated(plan, *args, **kwargs):
-        init(plan, *args, **kwargs)
-        plan._accelerated = True
-
-    run = moe_decode.FusedMoeDecode.__call__
-    monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
-    monkeypatch.setattr(
-        moe_decode.FusedMoeDecode, "__call__", lambda *a: calls.append(1) or run(*a)
-    )
+    fused decode and gives the eager step's output exactly (the same kernels, same inputs)."""
+    calls = count_fused_moe_decodes(monkeypatch, accelerate=True)
     experts = _experts("int4")
     x, index, weights = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _routing(2))
     with torch.no_grad():

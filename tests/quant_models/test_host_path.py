@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_route import accelerate_experts_plans
 from tiny_models import make_model
 
 import qlens.kernels.dispatch as dispatch
@@ -374,12 +375,6 @@ def test_quant_experts_decode_is_two_direct_launches(
     import qlens.kernels.moe_decode as moe_decode
     from qlens.kernels.experts import ExpertsPlan
 
-    init = ExpertsPlan.__init__
-
-    def accelerated(plan, *args, **kwargs):
-        init(plan, *args, **kwargs)
-        plan._accelerated = True
-
     model = quantize(make_model("qwen3_moe"), "int4")
     experts = model.get_submodule("model.layers.0.mlp.experts")
     x = torch.randn(1, 128)
@@ -387,7 +382,7 @@ def test_quant_experts_decode_is_two_direct_launches(
     with torch.no_grad():
         loop = experts(x, index, weights_)  # the expert loop (the CPU's choice)
         if fused:
-            monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
+            accelerate_experts_plans(monkeypatch)
         else:
             monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
         experts.forget_prepared()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from grouped_launches import grouped_launch_grids
+from kernel_route import count_fused_moe_decodes
 from tiny_models import input_ids, make_model
 
 from qlens.kernels.runtime import interpreting
@@ -59,16 +60,11 @@ def test_a_moe_decode_step_takes_the_fused_decode_and_matches_the_cpu_reference(
 ) -> None:
     """2 tokens x top-2: each MoE block's routed experts in the fused decode's two launches,
     eager and in the compiled graph (``qlens::moe_decode``)."""
-    import qlens.kernels.moe_decode as moe_decode
-
     model = quantize(make_model("qwen3_moe"), scheme)
     ids = input_ids(seq=1, batch=2)
     with torch.no_grad():
         expected = model(ids).logits
-    run, calls = moe_decode.FusedMoeDecode.__call__, []
-    monkeypatch.setattr(
-        moe_decode.FusedMoeDecode, "__call__", lambda *a: calls.append(1) or run(*a)
-    )
+    calls = count_fused_moe_decodes(monkeypatch)
     model.to("cuda")
     with torch.no_grad():
         got = model(ids.cuda()).logits.cpu()

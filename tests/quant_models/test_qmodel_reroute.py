@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_route import count_fused_moe_decodes
 from tiny_models import input_ids, make_model
 from torch import nn
 from transformers.integrations.finegrained_fp8 import (
@@ -197,25 +198,13 @@ def test_rerouted_experts_in_one_launch_match_without_a_host_check(
     transformers' Mxfp4GptOssExperts through the word-wise GEMV, its FP8Experts (block FP8)
     through the grouped GEMM; on an accelerator (``fused``) both through the fused MoE decode,
     GPT-OSS' clamped SwiGLU and FP8Experts' own gate (checked to be ``silu(gate) * up``)."""
-    import qlens.kernels.moe_decode as moe_decode
     from qlens.kernels.experts import ExpertsPlan
 
     model, reference = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
     reroute_quantized_modules(model)
     ids = input_ids()[:, :4]  # 4 tokens x top-k routes: few rows, one launch per projection
     monkeypatch.setattr(ExpertsPlan, "one_launch", lambda self, rows: True)
-    init, calls = ExpertsPlan.__init__, []
-    if fused:
-
-        def accelerated(plan, *args, **kwargs):
-            init(plan, *args, **kwargs)
-            plan._accelerated = True
-
-        run = moe_decode.FusedMoeDecode.__call__
-        monkeypatch.setattr(ExpertsPlan, "__init__", accelerated)
-        monkeypatch.setattr(
-            moe_decode.FusedMoeDecode, "__call__", lambda *a: calls.append(1) or run(*a)
-        )
+    calls = count_fused_moe_decodes(monkeypatch, accelerate=True) if fused else []
     monkeypatch.setattr(torch, "aminmax", None)  # the ids' host check must not run
     monkeypatch.setattr("qlens.kernels.experts.quantized_linear", None)  # nor an expert loop
     with torch.no_grad():
