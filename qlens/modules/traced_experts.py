@@ -50,12 +50,12 @@ def moe_decode_op(
     """The routed experts of ``x`` as an eager call runs them (``fused_experts_forward`` on the
     payloads' kept plans, with the gate ``GateRule(interleaved, activation, alpha, limit)``):
     the fused decode's two launches where it runs, the unfused launches otherwise."""
-    rule = GateRule(interleaved, activation, alpha, limit)
+    gate = _gate_of(interleaved, activation, alpha, limit)
     first = experts_plan_for(payload_for_op(first_spec, first_tensors), x.device)
     down = experts_plan_for(payload_for_op(down_spec, down_tensors), x.device)
     return fused_experts_forward(
         x, top_k_index, top_k_weights, first, down, first_bias, down_bias,
-        _gate_of(rule).apply, None, rule,
+        gate.apply, None, gate.kernel_rule,
     )  # fmt: skip
 
 
@@ -79,12 +79,13 @@ def _moe_decode_fake(
 
 
 @functools.cache
-def _gate_of(rule: GateRule) -> ExpertGate:
-    """The module gate whose fused form is ``rule`` (its torch form runs the unfused path)."""
-    swiglu = rule.activation == "clamped_swiglu"
+def _gate_of(interleaved: bool, activation: str, alpha: float, limit: float) -> ExpertGate:
+    """The module gate whose fused form is ``GateRule(interleaved, activation, alpha, limit)``
+    (its ``kernel_rule``; its torch form runs the unfused path), built once per rule."""
+    swiglu = activation == "clamped_swiglu"
     return ExpertGate(
-        "interleaved" if rule.interleaved else "stacked", rule.activation,
-        rule.alpha if swiglu else None, rule.limit if swiglu else None,
+        "interleaved" if interleaved else "stacked", activation,
+        alpha if swiglu else None, limit if swiglu else None,
     )  # fmt: skip
 
 

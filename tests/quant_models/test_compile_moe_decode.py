@@ -177,3 +177,15 @@ def test_the_moe_decode_op_passes_opcheck(bias: bool) -> None:
         *biases, False, "silu", 0.0, 0.0,
     )  # fmt: skip
     torch.library.opcheck(traced_experts.moe_decode_op, args)
+
+
+@pytest.mark.parametrize(
+    "gate",
+    [ExpertGate("stacked", "silu"), ExpertGate("interleaved", "clamped_swiglu", 1.702, 7.0)],
+    ids=["silu", "clamped_swiglu"],
+)
+def test_the_op_rebuilds_the_modules_gate_from_its_fused_rule(gate: ExpertGate) -> None:
+    rule = gate.kernel_rule
+    assert rule is not None
+    rebuilt = traced_experts._gate_of(rule.interleaved, rule.activation, rule.alpha, rule.limit)
+    assert rebuilt == gate and rebuilt.kernel_rule == rule
