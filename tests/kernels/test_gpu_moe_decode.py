@@ -1,7 +1,7 @@
-"""The fused MoE decode (packed 4-bit and block FP8 experts) compiled for a real GPU (skipped without CUDA): a Qwen3-30B-A3B-like
-block (64 experts, hidden 2048, moe_intermediate 768, top-8) and a GPT-OSS-like one (32
-experts, hidden and intermediate 2880, top-4, clamped SwiGLU, biases), against the unfused
-launches it replaces and a float64 reference."""
+"""The fused MoE decode (packed 4-bit and block FP8 experts) compiled for a real GPU (skipped
+without CUDA): a Qwen3-30B-A3B-like block (64 experts, hidden 2048, moe_intermediate 768,
+top-8) and a GPT-OSS-like one (32 experts, hidden and intermediate 2880, top-4, clamped
+SwiGLU, biases), against the unfused launches it replaces and a float64 reference."""
 
 from __future__ import annotations
 
