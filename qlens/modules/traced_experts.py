@@ -19,10 +19,7 @@ from qlens.kernels.formats import fused_kernel_formats
 from qlens.kernels.gate_rule import GateRule
 from qlens.kernels.op_payloads import payload_for_op
 from qlens.kernels.ops import compiled_experts_linear
-from qlens.modules.dispatch import (
-    fused_experts_forward,
-    projection_inputs,
-)
+from qlens.modules.dispatch import fused_experts_forward, projection_inputs
 from qlens.modules.expert_gate import ExpertGate
 from qlens.modules.routing import check_routing, route_to_experts
 from qlens.quant.payload_spec import spec_from_key
