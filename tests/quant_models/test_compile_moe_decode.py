@@ -189,3 +189,33 @@ def test_the_op_rebuilds_the_modules_gate_from_its_fused_rule(gate: ExpertGate) 
     assert rule is not None
     rebuilt = traced_experts._gate_of(rule.interleaved, rule.activation, rule.alpha, rule.limit)
     assert rebuilt == gate and rebuilt.kernel_rule == rule
+
+
+@pytest.mark.usefixtures("cpu_traces_the_node")
+def test_bridge_hooks_around_the_routed_experts_fire_in_the_compiled_decode() -> None:
+    """Qwen2-MoE (routed experts plus a shared expert): the hook on the routed term, outside the
+    node, sees and edits in the compiled graph what it sees and edits eagerly."""
+    from qlens.bridge import Bridge
+
+    bridge = quantize(Bridge(make_model("qwen2_moe")), "int4")
+    ids = input_ids(seq=1)  # a decode step's shape: 2 tokens x 2 routes
+    seen: dict[str, list[torch.Tensor]] = {"eager": [], "compiled": []}
+    run = ["eager"]
+
+    def halve_routed(x: torch.Tensor, hook) -> torch.Tensor:
+        seen[run[0]].append(x.detach().clone())
+        return x / 2
+
+    bridge.add_hook("blocks.0.mlp.hook_routed_out", halve_routed)
+    with torch.no_grad():
+        eager = bridge(ids)
+        assert "qlens.moe_decode" in _qlens_calls(bridge.model, ids)
+        torch._dynamo.reset()
+        run[0] = "compiled"
+        bridge.model.compile(backend="aot_eager")
+        compiled = bridge(ids)
+    assert len(seen["compiled"]) == 1 and torch.equal(seen["compiled"][0], seen["eager"][0])
+    assert torch.equal(compiled, eager)
+    bridge.reset_hooks()
+    with torch.no_grad():
+        assert not torch.equal(bridge(ids), eager)  # the edit was real
