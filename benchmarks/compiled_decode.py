@@ -67,25 +67,36 @@ def kernel_profile(run: Callable[[], None]) -> tuple[float, int, Counter, Counte
 
 
 def measure(
-    scheme: str, model: torch.nn.Module, work: Workload, loop: str, graph_x: str = "library"
+    scheme: str,
+    model: torch.nn.Module,
+    work: Workload,
+    loop: str,
+    graph_x: str = "library",
+    experts: str = "node",
 ) -> dict:
     """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
     ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``graph_x="as-is"``
     makes compiled one-row E2M1 GEMVs read ``x`` as it is (the library regroups it in the
-    graph), to compare the two in one run."""
+    graph), to compare the two in one run; ``experts="ops"`` traces a decode step's routed
+    experts to one ``qlens::experts_linear`` per projection, the gating and the weighted sum
+    between them left to inductor, instead of the one ``qlens::moe_decode`` node."""
     from torch._dynamo.utils import counters
 
     import qlens.kernels.ops as ops
+    import qlens.modules.traced_experts as traced_experts
 
     counters.clear()
     torch._dynamo.reset()
+    label = scheme if graph_x == "library" else f"{scheme} (x {graph_x})"
     cells: dict = {
-        "scheme": scheme if graph_x == "library" else f"{scheme} (x {graph_x})",
+        "scheme": label if experts == "node" else f"{label} (experts as two ops)",
         "loop": loop,
     }
-    regrouping = ops.REGROUPING_DEVICES
+    regrouping, fused_devices = ops.REGROUPING_DEVICES, traced_experts.FUSED_DECODE_DEVICES
     if graph_x == "as-is":
         ops.REGROUPING_DEVICES = frozenset()
+    if experts == "ops":
+        traced_experts.FUSED_DECODE_DEVICES = frozenset()
     try:
         if loop == "hf":
             generate, kwargs = hf_generate(model), compiled_generate_kwargs(work)
@@ -105,6 +116,7 @@ def measure(
         cells["error"] = error_cell(err)
     finally:
         ops.REGROUPING_DEVICES = regrouping
+        traced_experts.FUSED_DECODE_DEVICES = fused_devices
     forget_compiled(model)
     print(f"<!-- {cells} -->", flush=True)
     return cells
@@ -173,6 +185,12 @@ def main(argv: list[str] | None = None) -> str:
         help="also time E2M1 schemes (mxfp4, nvfp4) with captured one-row GEMVs reading x as it "
         "is (int4 rows always are)",
     )
+    parser.add_argument(
+        "--experts-as-ops",
+        action="store_true",
+        help="also time each scheme with a decode step's routed experts traced to two "
+        "qlens::experts_linear ops instead of one qlens::moe_decode node (MoE only)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -198,6 +216,8 @@ def main(argv: list[str] | None = None) -> str:
         rows.extend(measure(scheme, model, work, loop) for loop in loops)
         if args.graph_x_as_is and scheme in ("mxfp4", "nvfp4"):
             rows.append(measure(scheme, model, work, "hf", graph_x="as-is"))
+        if args.experts_as_ops:
+            rows.extend(measure(scheme, model, work, loop, experts="ops") for loop in loops)
 
     for_each_quantized(base, args.schemes.split(","), run)
     text = "\n".join(
