@@ -189,6 +189,8 @@ def _reroute(module: nn.Module) -> None:
     module._apply = types.MethodType(_apply_then_adopt, module)  # type: ignore[method-assign]
     if _first_weight(module) is not None or type(module).__name__ == "Mxfp4GptOssExperts":
         module.forward = types.MethodType(_experts_forward, module)
+        if _has_gate(module):
+            _gate_fn(module)  # now, eagerly: a compiled first forward cannot run its probe
     else:
         module.forward = types.MethodType(_linear_forward, module)
 
@@ -419,9 +421,18 @@ def _traced_experts(
     )  # fmt: skip
 
 
+def _has_gate(module: nn.Module) -> bool:
+    """Whether the experts module combines gate|up rows (its own ``_apply_gate``, or GPT-OSS'
+    ``Mxfp4GptOssExperts``), not an up projection alone."""
+    if type(module).__name__ == "Mxfp4GptOssExperts":
+        return True
+    return getattr(module, "_apply_gate", None) is not None and hasattr(module, "gate_up_proj")
+
+
 def _gate_fn(module: Any) -> tuple[Callable[[Tensor], Tensor], GateRule | None]:
     """The module's gating and its fused form (``ExpertGate.kernel_rule``, or ``None`` where
-    the fused MoE decode cannot compute it), built on its first forward and kept on it."""
+    the fused MoE decode cannot compute it), built when the module is rerouted (its probe runs
+    eagerly) and kept on it."""
     gate = module.__dict__.get(_GATE)
     if gate is None:
         own = getattr(module, "_apply_gate", None)

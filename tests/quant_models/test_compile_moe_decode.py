@@ -219,3 +219,22 @@ def test_bridge_hooks_around_the_routed_experts_fire_in_the_compiled_decode() ->
     bridge.reset_hooks()
     with torch.no_grad():
         assert not torch.equal(bridge(ids), eager)  # the edit was real
+
+
+@pytest.mark.parametrize("node", [False, True], ids=["ops", "node"])
+@pytest.mark.parametrize("checkpoint", ["gpt_oss mxfp4", "mixtral fp8"])
+def test_rerouted_experts_compile_before_any_eager_call(
+    checkpoint: str, node: bool, monkeypatch
+) -> None:
+    """The module's gate (FP8Experts' own, checked on a probe to be ``silu(gate) * up``) is
+    read when it is rerouted, so a whole-graph compile can come first."""
+    from test_qmodel_reroute import _fp8_mixtral, _mxfp4_gpt_oss
+
+    if node:
+        monkeypatch.setattr(traced_experts, "FUSED_DECODE_DEVICES", frozenset({"cpu", "cuda"}))
+    model, _ = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
+    reroute_quantized_modules(model)
+    ids = input_ids()[:, :3]
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+        assert torch.equal(compiled, model(ids).logits)
