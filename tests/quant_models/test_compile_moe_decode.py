@@ -238,3 +238,23 @@ def test_rerouted_experts_compile_before_any_eager_call(
     with torch.no_grad():
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
         assert torch.equal(compiled, model(ids).logits)
+
+
+@pytest.mark.usefixtures("cpu_traces_the_node")
+def test_compiled_decode_steps_build_no_payload_or_plan(monkeypatch) -> None:
+    """Outside CUDA graphs the node's body runs on every call: it reaches the module's kept
+    payloads and plans by their tensors, also when no eager call ran first."""
+    from test_compile import _Builds
+
+    model = quantize(make_model("qwen3_moe"), "mxfp4")
+    builds = _Builds(monkeypatch)
+    ids = input_ids(seq=1)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        first = compiled(ids).logits
+        assert "qlens.moe_decode" in _qlens_calls(model, ids)
+        after_first = builds.count
+        for _ in range(3):
+            assert torch.equal(compiled(ids).logits, first)
+    assert builds.count == after_first
+    assert torch.equal(first, model(ids).logits)
