@@ -20,6 +20,8 @@ from qlens.quant.payload_spec import PayloadSpec
 from qlens.quant.quantize import quantize_weight
 
 HIDDEN, INNER, EXPERTS = 128, 128, 4
+# Qwen3-MoE's and Mixtral's gate, GPT-OSS' gate: the two the fused decode computes.
+GATES = [ExpertGate("stacked", "silu"), ExpertGate("interleaved", "clamped_swiglu", 1.702, 7.0)]
 
 
 @pytest.fixture(autouse=True)
@@ -68,11 +70,7 @@ def _compiled_matches_eager(experts: torch.nn.Module, *args: torch.Tensor) -> No
 
 
 @pytest.mark.usefixtures("cpu_traces_the_node")
-@pytest.mark.parametrize(
-    "gate",
-    [ExpertGate("stacked", "silu"), ExpertGate("interleaved", "clamped_swiglu", 1.702, 7.0)],
-    ids=["silu", "clamped_swiglu"],
-)
+@pytest.mark.parametrize("gate", GATES, ids=["silu", "clamped_swiglu"])
 def test_a_decode_steps_experts_trace_to_one_moe_decode_node(gate: ExpertGate) -> None:
     experts = _experts(gate=gate)
     args = _routing(3)  # 6 routed rows
@@ -80,6 +78,16 @@ def test_a_decode_steps_experts_trace_to_one_moe_decode_node(gate: ExpertGate) -
         assert _qlens_calls(experts, *args) == ["qlens.moe_decode"]
     torch._dynamo.reset()
     _compiled_matches_eager(experts, *args)
+
+
+def _rerouted(checkpoint: str) -> torch.nn.Module:
+    """A tiny model with transformers' quantized experts ("gpt_oss mxfp4": Mxfp4GptOssExperts,
+    "mixtral fp8": FP8Experts), rerouted through qlens."""
+    from test_qmodel_reroute import _fp8_mixtral, _mxfp4_gpt_oss
+
+    model, _ = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
+    reroute_quantized_modules(model)
+    return model
 
 
 def _w8a8_experts() -> QuantExperts:
@@ -118,10 +126,7 @@ def test_gpus_only_trace_the_node_by_default() -> None:
 @pytest.mark.parametrize("checkpoint", ["gpt_oss mxfp4", "mixtral fp8"])
 def test_rerouted_experts_trace_to_the_node_and_give_the_eager_logits(checkpoint: str) -> None:
     """GPT-OSS' clamped SwiGLU and FP8Experts' own gate (checked to be ``silu(gate) * up``)."""
-    from test_qmodel_reroute import _fp8_mixtral, _mxfp4_gpt_oss
-
-    model, _ = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
-    reroute_quantized_modules(model)
+    model = _rerouted(checkpoint)
     ids = input_ids()[:, :3]  # 6 tokens, 2 routes each
     with torch.no_grad():
         eager = model(ids).logits
@@ -179,11 +184,7 @@ def test_the_moe_decode_op_passes_opcheck(bias: bool) -> None:
     torch.library.opcheck(traced_experts.moe_decode_op, args)
 
 
-@pytest.mark.parametrize(
-    "gate",
-    [ExpertGate("stacked", "silu"), ExpertGate("interleaved", "clamped_swiglu", 1.702, 7.0)],
-    ids=["silu", "clamped_swiglu"],
-)
+@pytest.mark.parametrize("gate", GATES, ids=["silu", "clamped_swiglu"])
 def test_the_op_rebuilds_the_modules_gate_from_its_fused_rule(gate: ExpertGate) -> None:
     rule = gate.kernel_rule
     assert rule is not None
@@ -224,16 +225,13 @@ def test_bridge_hooks_around_the_routed_experts_fire_in_the_compiled_decode() ->
 @pytest.mark.parametrize("node", [False, True], ids=["ops", "node"])
 @pytest.mark.parametrize("checkpoint", ["gpt_oss mxfp4", "mixtral fp8"])
 def test_rerouted_experts_compile_before_any_eager_call(
-    checkpoint: str, node: bool, monkeypatch
+    checkpoint: str, node: bool, request
 ) -> None:
     """The module's gate (FP8Experts' own, checked on a probe to be ``silu(gate) * up``) is
     read when it is rerouted, so a whole-graph compile can come first."""
-    from test_qmodel_reroute import _fp8_mixtral, _mxfp4_gpt_oss
-
     if node:
-        monkeypatch.setattr(traced_experts, "FUSED_DECODE_DEVICES", frozenset({"cpu", "cuda"}))
-    model, _ = _mxfp4_gpt_oss() if checkpoint == "gpt_oss mxfp4" else _fp8_mixtral()
-    reroute_quantized_modules(model)
+        request.getfixturevalue("cpu_traces_the_node")
+    model = _rerouted(checkpoint)
     ids = input_ids()[:, :3]
     with torch.no_grad():
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
