@@ -3,7 +3,8 @@
 library's choice) against reading it as it is (``static_decode_host.py``'s columns). The eager
 comparison of the earlier one-row launches is in ``tuning/results/e2m1_as_is_e2e_h100.md``.
 
-Run on a CUDA GPU from the repository root: ``python -m benchmarks.tuning.e2m1_as_is_e2e``;
+Run on a CUDA GPU from the repository root: ``python -m benchmarks.tuning.e2m1_as_is_e2e
+[--schemes mxfp4,nvfp4] [--reads regrouped,as-is]``;
 prints markdown and, when ``$OUT`` is set, writes it to ``$OUT/e2m1_as_is_e2e_static_<gpu>.md``.
 """
 
@@ -22,7 +23,14 @@ from benchmarks.static_decode_host import measure, seeded_prompt, table
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.parse_args()
+    parser.add_argument("--schemes", default="mxfp4,nvfp4")
+    parser.add_argument(
+        "--reads", default="regrouped,as-is", help="graph reads of x to time: regrouped, as-is"
+    )
+    args = parser.parse_args()
+    reads = args.reads.split(",")
+    if not set(reads) <= {"regrouped", "as-is"}:
+        parser.error(f"--reads takes regrouped and as-is, got {args.reads}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     shape = shapes(False, None)["8b"]
@@ -32,8 +40,8 @@ def main() -> None:
     print(table(rows)[-1], flush=True)
     regrouping = ops.REGROUPING_DEVICES
     try:
-        for scheme in ("mxfp4", "nvfp4"):
-            for as_is in (False, True):
+        for scheme in args.schemes.split(","):
+            for as_is in (read == "as-is" for read in reads):
                 ops.REGROUPING_DEVICES = frozenset() if as_is else regrouping
                 model = qlens.quantize(base, scheme)
                 label = "as it is" if as_is else "regrouped (library)"
