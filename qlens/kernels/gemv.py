@@ -155,11 +155,12 @@ class PackedGemv(PreparedSplitLaunch):
     launches (plus the split reduction when K is split).
 
     ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
-    one launch. ``x_as_is=False`` has an E2M1 (MXFP4, NVFP4) row read regrouped
-    (``permute_codes``): a faster kernel in a CUDA graph, the regrouping included
-    (``benchmarks/tuning/results/x_as_is_h200.md``), fed through :meth:`on_kernel_rows` by a
-    compiled graph that regrouped the row itself; int4 rows are read as they are either way.
-    Rows on tensor cores always take ``x`` regrouped.
+    one launch, and it is the faster read in CUDA graphs too since the quad tiles
+    (``benchmarks/tuning/results/x_as_is_h100.md``). ``x_as_is=False`` has an E2M1 (MXFP4,
+    NVFP4) row read regrouped (``permute_codes``), fed through :meth:`on_kernel_rows` by a
+    compiled graph that regrouped the row itself (only on ``ops.REGROUPING_DEVICES``, none by
+    default); int4 rows are read as they are either way. Rows on tensor cores always take ``x``
+    regrouped.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""

@@ -226,10 +226,13 @@ def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
 experts_linear_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
-# Elements of the packed 4-bit formats whose single rows a compiled graph regroups, and the
-# devices where it does (their one-row GEMV reads regrouped rows faster: ``gemv.PackedGemv``).
+# Elements of the packed 4-bit formats whose single rows a compiled graph may regroup, and the
+# devices where it does: none. Since the quad tiles, one E2M1 row read as it is beats the
+# regrouped row in CUDA graphs on every 8B decode layer and in whole compiled decodes
+# (benchmarks/tuning/results/x_as_is_h100.md, e2m1_as_is_e2e_h100.md, 2026-12-06); the
+# regrouped path stays selectable here so those comparisons can be run again.
 REGROUPED_ELEMENTS = frozenset({"e2m1"})
-REGROUPING_DEVICES = frozenset({"cuda"})
+REGROUPING_DEVICES: frozenset[str] = frozenset()
 
 
 @torch.compiler.assume_constant_result
@@ -254,12 +257,11 @@ def compiled_linear(
     bias: Tensor | None,
     w8a8: bool = False,
 ) -> Float[Tensor, "*batch n"]:
-    """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or
-    for a single E2M1 row, the row regrouped in the graph (``permute_codes``: a transpose and a
-    cast, which inductor can fuse into the kernel that made ``x``, such as the RMSNorm before
-    the q/k/v projections, and compute once for the projections sharing ``x``) and
-    ``qlens::linear_regrouped_row``. So the GEMV reads the row regrouped, its faster form,
-    without a regrouping launch of its own. ``w8a8``: ``qlens::w8a8_linear``."""
+    """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or,
+    on a device of ``REGROUPING_DEVICES`` (none by default), for a single E2M1 row, the row
+    regrouped in the graph (``permute_codes``: a transpose and a cast, which inductor can fuse
+    into the kernel that made ``x``) and ``qlens::linear_regrouped_row``.
+    ``w8a8``: ``qlens::w8a8_linear``."""
     if w8a8:
         return torch.ops.qlens.w8a8_linear(x, tensors, spec, bias)
     one_row = x.dim() >= 1 and x.numel() == x.shape[-1]

@@ -148,9 +148,9 @@ def test_static_decoder_records_in_cuda_graphs_what_its_eager_step_records() -> 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_static_decoder_fuses_sibling_linears_in_its_cuda_graphs(scheme: str, monkeypatch) -> None:
-    """One token: q/k/v and gate/up run as stacked GEMVs in the recorded graph (E2M1 rows on
-    the row regrouped in the graph), with the tokens of the unfused step (fp32: the stacked
-    tile sums each product in another order, ~1e-7 relative)."""
+    """One token: q/k/v and gate/up run as stacked GEMVs in the recorded graph (every scheme
+    on the row as it is), with the tokens of the unfused step (fp32: the stacked tile sums
+    each product in another order, ~1e-7 relative)."""
     from kernel_route import count_stacked_launches
     from torch._dynamo.utils import counters
 
