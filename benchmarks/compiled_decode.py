@@ -75,9 +75,9 @@ def measure(
     experts: str = "node",
 ) -> dict:
     """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
-    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``graph_x="as-is"``
-    makes compiled one-row E2M1 GEMVs read ``x`` as it is (the library regroups it in the
-    graph), to compare the two in one run; ``experts="ops"`` traces a decode step's routed
+    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``graph_x="regrouped"``
+    has the graph regroup one-row E2M1 activations for their GEMV (the library reads them as
+    they are), to compare the two in one run; ``experts="ops"`` traces a decode step's routed
     experts to one ``qlens::experts_linear`` per projection, the gating and the weighted sum
     between them left to inductor, instead of the one ``qlens::moe_decode`` node."""
     from torch._dynamo.utils import counters
@@ -93,8 +93,8 @@ def measure(
         "loop": loop,
     }
     regrouping, fused_devices = ops.REGROUPING_DEVICES, traced_experts.FUSED_DECODE_DEVICES
-    if graph_x == "as-is":
-        ops.REGROUPING_DEVICES = frozenset()
+    if graph_x == "regrouped":
+        ops.REGROUPING_DEVICES = frozenset({"cuda"})
     if experts == "ops":
         traced_experts.FUSED_DECODE_DEVICES = frozenset()
     try:
@@ -180,10 +180,11 @@ def main(argv: list[str] | None = None) -> str:
         "(qlens.StaticDecoder), static-unfused (its quantized siblings launched one by one)",
     )
     parser.add_argument(
-        "--graph-x-as-is",
+        "--graph-x-regrouped",
         action="store_true",
-        help="also time E2M1 schemes (mxfp4, nvfp4) with captured one-row GEMVs reading x as it "
-        "is (int4 rows always are)",
+        help="also time E2M1 schemes (mxfp4, nvfp4) with the graph regrouping one-row "
+        "activations for their GEMV, as compiled graphs did before 2026-12-06 (the library reads "
+        "them as they are)",
     )
     parser.add_argument(
         "--experts-as-ops",
@@ -214,8 +215,8 @@ def main(argv: list[str] | None = None) -> str:
 
     def run(scheme: str, model: torch.nn.Module) -> None:
         rows.extend(measure(scheme, model, work, loop) for loop in loops)
-        if args.graph_x_as_is and scheme in ("mxfp4", "nvfp4"):
-            rows.append(measure(scheme, model, work, "hf", graph_x="as-is"))
+        if args.graph_x_regrouped and scheme in ("mxfp4", "nvfp4"):
+            rows.append(measure(scheme, model, work, "hf", graph_x="regrouped"))
         if args.experts_as_ops:
             rows.extend(measure(scheme, model, work, loop, experts="ops") for loop in loops)
 

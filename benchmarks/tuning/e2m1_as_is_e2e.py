@@ -1,6 +1,7 @@
 """One-row E2M1 (MXFP4, NVFP4) GEMVs in whole 8B-shape models, bf16 in the same run:
 ``qlens.StaticDecoder`` (fused step, CUDA graphs) with the graph regrouping each E2M1 row (the
-library's choice) against reading it as it is (``static_decode_host.py``'s columns). The eager
+library's choice until 2026-12-06) against reading it as it is (the library's choice since;
+``static_decode_host.py``'s columns). The eager
 comparison of the earlier one-row launches is in ``tuning/results/e2m1_as_is_e2e_h100.md``.
 
 Run on a CUDA GPU from the repository root: ``python -m benchmarks.tuning.e2m1_as_is_e2e
@@ -42,9 +43,9 @@ def main() -> None:
     try:
         for scheme in args.schemes.split(","):
             for as_is in (read == "as-is" for read in reads):
-                ops.REGROUPING_DEVICES = frozenset() if as_is else regrouping
+                ops.REGROUPING_DEVICES = frozenset() if as_is else frozenset({"cuda"})
                 model = qlens.quantize(base, scheme)
-                label = "as it is" if as_is else "regrouped (library)"
+                label = "as it is (library)" if as_is else "regrouped"
                 rows[f"{scheme}, graph reads x {label}"] = measure(model, prompt, 64, 3)
                 print(table(rows)[-1], flush=True)
                 del model
