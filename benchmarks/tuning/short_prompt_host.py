@@ -1,7 +1,7 @@
 """Where the host time of a short quantized forward goes: plain HF forwards of a 32-token prompt
 (8B shape), bf16 against each scheme: the wall time, then a ``cProfile`` of a few forwards with
-the functions taking the most time of their own, and the quantized linears' time by row count
-(``benchmarks/eager_linear.py`` times single calls; this is the whole model).
+the functions taking the most time of their own (``benchmarks/eager_linear.py`` times single
+linear calls; this is the whole model).
 
 Run on a CUDA GPU from the repository root: ``python -m benchmarks.tuning.short_prompt_host
 [--schemes int4] [--tokens 32]``; prints markdown and, when ``$OUT`` is set, writes it to
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 
 import torch
@@ -38,8 +37,7 @@ def profile_lines(model: torch.nn.Module, tokens: torch.Tensor) -> list[str]:
             model(tokens, use_cache=False)
         torch.cuda.synchronize()
         profiler.disable()
-    stream = io.StringIO()
-    stats = pstats.Stats(profiler, stream=stream)
+    stats = pstats.Stats(profiler)
     lines = [f"wall {wall:.0f} us a forward (median of 20)", ""]
     lines += ["| function | calls a forward | own us a forward | cumulative us a forward |"]
     lines += ["|---|---|---|---|"]

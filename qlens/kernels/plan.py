@@ -90,9 +90,9 @@ class LinearPlan:
     kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` has a
     single E2M1 row read regrouped by the packed GEMV (the row comes regrouped from a compiled
     graph through :meth:`regrouped_row`, or is regrouped first, one more launch; see
-    ``gemv.PackedGemv``: slower than the row as it is since the quad tiles). ``w8a8=True`` (``fp8_block`` payloads) quantizes the
-    activations per token and K block to FP8 and multiplies on FP8 tensor cores, as
-    ``reference_w8a8_linear`` computes. Built by :func:`plan_for`, which keeps it on the payload.
+    ``gemv.PackedGemv``: slower than the row as it is since the quad tiles). ``w8a8=True``
+    (``fp8_block`` payloads) quantizes the activations per token and K block to FP8 and
+    multiplies on FP8 tensor cores, as ``reference_w8a8_linear`` computes. Built by :func:`plan_for`, which keeps it on the payload.
     """
 
     def __init__(

@@ -65,7 +65,7 @@ def test_a_compiled_quant_linear_rejects_inputs_of_another_width() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "int4"])
-def test_one_e2m1_row_is_regrouped_in_the_compiled_graph(scheme: str, monkeypatch) -> None:
+def test_one_e2m1_row_is_regrouped_only_on_a_regrouping_device(scheme: str, monkeypatch) -> None:
     """On a device of ``REGROUPING_DEVICES`` (none by default; here the CPU is added), one
     token's E2M1 rows are regrouped in the graph and reach the GEMV through
     ``qlens::linear_regrouped_row``, exactly as eager; int4 rows, several rows and every device
