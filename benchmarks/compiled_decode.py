@@ -71,30 +71,23 @@ def measure(
     model: torch.nn.Module,
     work: Workload,
     loop: str,
-    graph_x: str = "library",
     experts: str = "node",
 ) -> dict:
     """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
-    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``graph_x="regrouped"``
-    has the graph regroup one-row E2M1 activations for their GEMV (the library reads them as
-    they are), to compare the two in one run; ``experts="ops"`` traces a decode step's routed
+    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``experts="ops"`` traces a decode step's routed
     experts to one ``qlens::experts_linear`` per projection, the gating and the weighted sum
     between them left to inductor, instead of the one ``qlens::moe_decode`` node."""
     from torch._dynamo.utils import counters
 
-    import qlens.kernels.ops as ops
     import qlens.modules.traced_experts as traced_experts
 
     counters.clear()
     torch._dynamo.reset()
-    label = scheme if graph_x == "library" else f"{scheme} (x {graph_x})"
     cells: dict = {
-        "scheme": label if experts == "node" else f"{label} (experts as two ops)",
+        "scheme": scheme if experts == "node" else f"{scheme} (experts as two ops)",
         "loop": loop,
     }
-    regrouping, fused_devices = ops.REGROUPING_DEVICES, traced_experts.FUSED_DECODE_DEVICES
-    if graph_x == "regrouped":
-        ops.REGROUPING_DEVICES = frozenset({"cuda"})
+    fused_devices = traced_experts.FUSED_DECODE_DEVICES
     if experts == "ops":
         traced_experts.FUSED_DECODE_DEVICES = frozenset()
     try:
@@ -115,7 +108,6 @@ def measure(
     except Exception as err:  # noqa: BLE001 - the other schemes still run
         cells["error"] = error_cell(err)
     finally:
-        ops.REGROUPING_DEVICES = regrouping
         traced_experts.FUSED_DECODE_DEVICES = fused_devices
     forget_compiled(model)
     print(f"<!-- {cells} -->", flush=True)
@@ -180,13 +172,6 @@ def main(argv: list[str] | None = None) -> str:
         "(qlens.StaticDecoder), static-unfused (its quantized siblings launched one by one)",
     )
     parser.add_argument(
-        "--graph-x-regrouped",
-        action="store_true",
-        help="also time E2M1 schemes (mxfp4, nvfp4) with the graph regrouping one-row "
-        "activations for their GEMV, as compiled graphs did before 2026-12-06 (the library reads "
-        "them as they are)",
-    )
-    parser.add_argument(
         "--experts-as-ops",
         action="store_true",
         help="also time each scheme with a decode step's routed experts traced to two "
@@ -215,8 +200,6 @@ def main(argv: list[str] | None = None) -> str:
 
     def run(scheme: str, model: torch.nn.Module) -> None:
         rows.extend(measure(scheme, model, work, loop) for loop in loops)
-        if args.graph_x_regrouped and scheme in ("mxfp4", "nvfp4"):
-            rows.append(measure(scheme, model, work, "hf", graph_x="regrouped"))
         if args.experts_as_ops:
             rows.extend(measure(scheme, model, work, loop, experts="ops") for loop in loops)
 

@@ -58,13 +58,10 @@ def time_steps() -> dict[str, list[float]]:
 
 def isolated_costs() -> dict[str, float]:
     """Host microseconds (median of 2000 calls, no sync) of torch calls a quantized linear makes."""
-    from qlens.kernels.gemv import permute_codes
-
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     calls = {
         "torch.empty(1, 4096)": lambda: torch.empty((1, 4096), dtype=torch.bfloat16, device="cuda"),
-        "permute_codes(1 x 4096)": lambda: permute_codes(x, for_dot=False),
         "F.linear bf16 1 x 4096 x 4096": lambda: torch.nn.functional.linear(x, w),
         "torch.cuda.current_device()": torch.cuda.current_device,
         "x.data_ptr()": x.data_ptr,

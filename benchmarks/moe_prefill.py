@@ -191,7 +191,7 @@ def routing(x, ids, num_experts: int, packed: bool) -> None:
     4-bit words only)."""
     sort_by_expert(ids, num_experts)
     if packed:
-        permute_codes(x, for_dot=True)
+        permute_codes(x)
 
 
 def sweep_rows(num_experts: int, tokens: int, schemes, gen) -> list[str]:

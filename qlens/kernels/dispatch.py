@@ -39,8 +39,7 @@ def default_config(
     words: bool = True,
 ) -> LinearConfig:
     """The launch ``quantized_linear`` chooses for ``m`` rows against ``payload`` on ``device``;
-    ``words=False`` chooses as for the byte-wise kernels (packed words not read as words). A
-    packed row takes the same launch read as it is or regrouped."""
+    ``words=False`` chooses as for the byte-wise kernels (packed words not read as words)."""
     return _weight_config(kernel_weight(payload), m, device, w8a8, words)
 
 

@@ -24,7 +24,7 @@ from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import byte_tile_codes, decode_byte_tile, decode_packed_halves
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
-from qlens.kernels.layout_view import FP8_BLOCK, INT4
+from qlens.kernels.layout_view import FP8_BLOCK
 from qlens.kernels.numerics import fp8_rounded_row
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
@@ -154,13 +154,10 @@ class PackedGemv(PreparedSplitLaunch):
     strides, constants and the weight's tensors are fixed, so a call allocates the output and
     launches (plus the split reduction when K is split).
 
-    ``x_as_is``: the one-row FMA kernel reads ``x`` as the caller holds it, so an eager call is
-    one launch, and it is the faster read in CUDA graphs too since the quad tiles
-    (``benchmarks/tuning/results/x_as_is_h100.md``). ``x_as_is=False`` has an E2M1 (MXFP4,
-    NVFP4) row read regrouped (``permute_codes``), fed through :meth:`on_kernel_rows` by a
-    compiled graph that regrouped the row itself (only on ``ops.REGROUPING_DEVICES``, none by
-    default); int4 rows are read as they are either way. Rows on tensor cores always take ``x``
-    regrouped.
+    One row is read by FMAs as the caller holds it, so an eager call is one launch (in CUDA
+    graphs too, the row as it is beats it regrouped by code position since the quad tiles:
+    ``benchmarks/results/archive/x_as_is_h100.md``). Rows on tensor cores take ``x`` regrouped
+    (``permute_codes``), one copy before the launch.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""
@@ -175,7 +172,6 @@ class PackedGemv(PreparedSplitLaunch):
         cfg: LinearConfig,
         experts: ExpertStrides | None = None,
         out_shape: tuple[int, ...] | None = None,
-        x_as_is: bool = True,
     ) -> None:
         block_m = _packed_block_m(m, cfg, experts=experts is not None)
         use_dot = block_m > 1  # FMAs serve one row a program
@@ -188,8 +184,7 @@ class PackedGemv(PreparedSplitLaunch):
         slots += [8] if experts is not None else []
         device = self.device
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
-        self.regroup = use_dot or (not x_as_is and w.family != INT4)
-        if self.regroup:
+        if use_dot:
             stride_xm, stride_xj = regrouped_strides(w.k)
         else:  # x as it is: [m, k] row-major
             stride_xm, stride_xj = w.k, 1
@@ -210,7 +205,7 @@ class PackedGemv(PreparedSplitLaunch):
             MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
             USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret,
             EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
-            X_NATURAL=not self.regroup, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def __call__(
@@ -220,14 +215,7 @@ class PackedGemv(PreparedSplitLaunch):
         prepared with, and dtype; expert ids as int32)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        xp = permute_codes(x.reshape(self.m, self.k), for_dot=self.for_dot) if self.regroup else x
-        return self.on_kernel_rows(xp, bias, ids)
-
-    def on_kernel_rows(
-        self, xp: Float[Tensor, "..."], bias: Tensor | None, ids: Tensor | None = None
-    ) -> Float[Tensor, "*rows n"]:
-        """``x @ W.T + bias`` on ``xp``: the rows as the kernel reads them (contiguous;
-        ``permute_codes(x, for_dot=...)`` when :attr:`regroup`, else ``x`` itself)."""
+        xp = permute_codes(x.reshape(self.m, self.k)) if self.for_dot else x
         return self.run(xp, bias, ids)
 
 
@@ -292,17 +280,16 @@ def prepared_gemv(
     has_bias: bool,
     cfg: LinearConfig,
     out_shape: tuple[int, ...] | None = None,
-    x_as_is: bool = True,
     round_x: bool = False,
 ) -> GemvCall:
     """:func:`prepare_gemv`, kept on the launch view ``w`` (views are kept on their payloads)."""
     calls = w.__dict__.setdefault("_qlens_gemv_calls", {})
-    key = (m, dtype, has_bias, cfg, out_shape, x_as_is, round_x)
+    key = (m, dtype, has_bias, cfg, out_shape, round_x)
     call = calls.get(key)
     if call is None:
         if len(calls) >= _MAX_KEPT_CALLS:
             calls.clear()
-        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg, out_shape, x_as_is, round_x)
+        call = calls[key] = prepare_gemv(w, m, dtype, has_bias, cfg, out_shape, round_x)
     return call
 
 
@@ -313,7 +300,6 @@ def prepare_gemv(
     has_bias: bool,
     cfg: LinearConfig,
     out_shape: tuple[int, ...] | None = None,
-    x_as_is: bool = True,
     round_x: bool = False,
 ) -> GemvCall:
     """The ``"gemv"`` path's launch for ``m`` rows of ``dtype`` against ``w``, prepared once:
@@ -321,14 +307,14 @@ def prepare_gemv(
     ``FMA_MAX_ROWS`` rows, tensor cores beyond); other weights take the byte-wise GEMV up to
     ``GEMV_MAX_M`` rows and the split-K kernel (same tiles) beyond. The call takes contiguous
     ``x`` of ``m`` rows in any leading shape and returns ``out_shape`` (default ``[m, n]``);
-    ``x_as_is``: see :class:`PackedGemv`; ``round_x``: see :class:`ByteGemv` (one row only)."""
+    ``round_x``: see :class:`ByteGemv` (one row only)."""
     if round_x:
         if m != 1:
             raise ValueError(f"FP8-rounded rows are read by the one-row GEMV only, got {m} rows")
         return ByteGemv(w, m, dtype, has_bias, cfg, out_shape, round_x=True)
     words = word_view(w) if cfg.words else None
     if words is not None:
-        return PackedGemv(w, words, m, dtype, has_bias, cfg, out_shape=out_shape, x_as_is=x_as_is)
+        return PackedGemv(w, words, m, dtype, has_bias, cfg, out_shape=out_shape)
     if m > GEMV_MAX_M:  # the byte-wise GEMV re-reads the weight per row
         splitk = replace(cfg, path="splitk")
         return PreparedWeightOnly(w, m, dtype, has_bias, splitk, out_shape or (m, w.n))

@@ -250,7 +250,7 @@ class GroupedExperts:
             return out
         if not x.is_contiguous():
             x = x.contiguous()
-        xk = permute_codes(x, for_dot=True) if self.packed else x
+        xk = permute_codes(x) if self.packed else x
         if self.has_bias:
             assert bias is not None
             self.launch(xk, bias if bias.is_contiguous() else bias.contiguous(), out, order, starts)

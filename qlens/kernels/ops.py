@@ -15,7 +15,6 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.dispatch import ACTIVATION_DTYPES
 from qlens.kernels.op_payloads import payload_for_op
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import spec_from_key, split_keys
@@ -73,24 +72,6 @@ def _sibling_linear_fake(
     return x.new_empty((*x.shape[:-1], stacked_width(specs)))
 
 
-@torch.library.custom_op("qlens::sibling_linear_regrouped_row", mutates_args=())
-def sibling_linear_regrouped_row_op(
-    xp: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None], dtype: torch.dtype
-) -> Tensor:
-    """``qlens::sibling_linear`` of one row of ``dtype`` given regrouped, as
-    ``qlens::linear_regrouped_row`` takes it: ``[1, n0 + n1 (+ n2)]``."""
-    from qlens.kernels.stacked_linear import stacked_regrouped_row
-
-    return stacked_regrouped_row(xp, _op_payloads(specs, tensors), biases, dtype)
-
-
-@sibling_linear_regrouped_row_op.register_fake
-def _sibling_linear_regrouped_row_fake(
-    xp: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None], dtype: torch.dtype
-) -> Tensor:
-    return xp.new_empty((1, stacked_width(specs)), dtype=dtype)
-
-
 def stacked_width(specs: str) -> int:
     """The output width of the sibling ops for these joined spec keys."""
     return sum(spec_from_key(s).shape[0] for s in split_keys(specs))
@@ -105,25 +86,6 @@ def _op_payloads(specs: str, tensors: Sequence[Tensor]) -> list[QuantPayload]:
         payloads.append(payload_for_op(spec, tensors[start : start + count]))
         start += count
     return payloads
-
-
-@torch.library.custom_op("qlens::linear_regrouped_row", mutates_args=())
-def linear_regrouped_row_op(
-    xp: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None, dtype: torch.dtype
-) -> Tensor:
-    """``x @ W.T + bias`` (``[1, n]`` of ``dtype``) for one row ``x`` of ``dtype`` given
-    regrouped, ``xp = permute_codes(x, for_dot=False)``: see :func:`compiled_linear`."""
-    from qlens.kernels.plan import plan_for
-
-    plan = plan_for(payload_for_op(spec, tensors), xp.device, x_as_is=False)
-    return plan.regrouped_row(xp, bias, dtype)
-
-
-@linear_regrouped_row_op.register_fake
-def _linear_regrouped_row_fake(
-    xp: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None, dtype: torch.dtype
-) -> Tensor:
-    return xp.new_empty((1, spec_from_key(spec).shape[0]), dtype=dtype)
 
 
 @torch.library.custom_op("qlens::linear_backward", mutates_args=())
@@ -226,30 +188,6 @@ def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
 experts_linear_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
-# Elements of the packed 4-bit formats whose single rows a compiled graph may regroup, and the
-# devices where it does: none. Since the quad tiles, one E2M1 row read as it is beats the
-# regrouped row in CUDA graphs on every 8B decode layer and in whole compiled decodes
-# (benchmarks/tuning/results/x_as_is_h100.md, e2m1_as_is_e2e_h100.md, 2026-12-06); the
-# regrouped path stays selectable here so those comparisons can be run again.
-REGROUPED_ELEMENTS = frozenset({"e2m1"})
-REGROUPING_DEVICES: frozenset[str] = frozenset()
-
-
-@torch.compiler.assume_constant_result
-def _regroups_one_row(spec: str, device_type: str, in_features: int) -> bool:
-    """Whether a compiled graph regroups one row of ``in_features`` on a ``device_type`` device
-    for the payload ``spec`` (a constant of the trace, decided when it is traced)."""
-    payload_spec = spec_from_key(spec)
-    fmt = payload_spec.format
-    return (
-        device_type in REGROUPING_DEVICES
-        and fmt.bits == 4
-        and fmt.element in REGROUPED_ELEMENTS
-        and len(payload_spec.shape) == 2
-        and payload_spec.shape[1] == in_features
-    )
-
-
 def compiled_linear(
     x: Float[Tensor, "*batch k"],
     tensors: list[Tensor],
@@ -257,25 +195,10 @@ def compiled_linear(
     bias: Tensor | None,
     w8a8: bool = False,
 ) -> Float[Tensor, "*batch n"]:
-    """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``, or,
-    on a device of ``REGROUPING_DEVICES`` (none by default), for a single E2M1 row, the row
-    regrouped in the graph (``permute_codes``: a transpose and a cast, which inductor can fuse
-    into the kernel that made ``x``) and ``qlens::linear_regrouped_row``.
-    ``w8a8``: ``qlens::w8a8_linear``."""
+    """What a module's forward calls while ``torch.compile`` traces it: ``qlens::linear``
+    (``qlens::w8a8_linear`` with ``w8a8``), the op that runs what an eager call runs."""
     if w8a8:
         return torch.ops.qlens.w8a8_linear(x, tensors, spec, bias)
-    one_row = x.dim() >= 1 and x.numel() == x.shape[-1]
-    if (
-        one_row
-        and not x.requires_grad
-        and x.dtype in ACTIVATION_DTYPES  # others would not survive the float32 regrouping
-        and _regroups_one_row(spec, x.device.type, int(x.shape[-1]))
-    ):
-        from qlens.kernels.code_order import permute_codes
-
-        xp = permute_codes(x.reshape(1, x.shape[-1]), for_dot=False)
-        out = torch.ops.qlens.linear_regrouped_row(xp, tensors, spec, bias, x.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
     return torch.ops.qlens.linear(x, tensors, spec, bias)
 
 

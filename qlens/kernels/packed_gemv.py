@@ -18,9 +18,7 @@ words: each thread loads four consecutive words of a weight row (16 bytes) and t
 activations they meet (four 16-byte loads, split into the eight code positions in registers),
 and both tiles put a quad's word ``c`` in the same register of the same thread, so decoded codes
 meet their activations without crossing shared memory and every thread reuses its activations
-for all its rows. A row regrouped by code position (``qlens.kernels.code_order.permute_codes``,
-float32; compiled graphs regroup E2M1 rows) is read as ``[1, words]`` per code position in the
-words' own layout. For two rows or more the decoded, scaled codes feed tensor-core dots, one
+for all its rows. For two rows or more the decoded, scaled codes feed tensor-core dots, one
 per code position (an ``[M, N, words]`` FMA product for 2-4 rows ran far slower,
 ``benchmarks/results/archive/gemv_registers_h200.md``), on ``x`` regrouped by code position.
 """
@@ -187,44 +185,6 @@ def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.conste
 
 @triton.jit
 @no_type_check
-def _fma_tile(
-    acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
-    stride_xm, stride_xj, stride_w, stride_s,
-    FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
-):  # fmt: skip
-    """``acc[n, i] += sum_j W[n, k0 + 8i + j] * x[m, k0 + 8i + j]`` for one K tile and the one
-    row ``offs_m`` (``[1]``) of ``x`` regrouped as float32 (``permute_codes``: code ``j`` of word
-    ``w`` at ``j * stride_xj + w``), in FMAs. Each code position is read as ``[1, words]``,
-    which takes the words' own layout."""
-    offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-    words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
-                        MASK_K, MASK_N)  # fmt: skip
-    row = xp_ptr + offs_m[:, None] * stride_xm
-    x_ok = offs_w < stride_xj  # the regrouped row's words (zero-padded past K)
-    scale, zero = _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
-                               FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
-    state = _code_values(words, FAMILY, USE_ASM)
-    for j in tl.static_range(8):
-        if MASK_K:
-            x = tl.load(row + offs_w + j * stride_xj, mask=x_ok, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(row + offs_w + j * stride_xj).to(tl.float32)
-        w = _code(state, zero, j, FAMILY, USE_ASM)
-        if j == 0:
-            part = w * x
-        else:
-            part += w * x
-    if FAMILY == INT4_C:
-        return acc + part * scale
-    else:
-        return acc + (part * _FACTOR_C) * scale
-
-
-@triton.jit
-@no_type_check
 def _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_word, N, K, stride_s,
                  FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr):  # fmt: skip
@@ -263,8 +223,9 @@ def _fma_quads(
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """``_fma_tile`` for the row ``offs_m`` of ``x`` as the caller holds it (code ``j`` of word
-    ``w`` at ``8 w + j``, any float dtype), on quads of words: word ``4 q + c`` of the tile and
+    """``acc += W[n, k] * x[m, k]`` summed per word, for one K tile and the row ``offs_m``
+    (``[1]``) of ``x`` as the caller holds it (code ``j`` of word ``w`` at ``8 w + j``, any
+    float dtype), in FMAs on quads of words: word ``4 q + c`` of the tile and
     row ``n`` is ``acc[q, n, c]`` (``QUADS_LEAD``) or ``acc[c, n, q]``. A thread's quad is one
     16-byte load of words and four of activations (``[.., 8]``, split into the eight code
     positions in registers), both in the same registers of the same thread."""
@@ -354,7 +315,7 @@ def quads_k_range(
             stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
             BLOCK_N, BLOCK_K, True, True, USE_ASM,
         )  # fmt: skip
-    # [BLOCK_N, words] in word order, summed as the regrouped row's tiles are
+    # [BLOCK_N, words] in word order, then one sum per row
     if QUADS_LEAD:
         acc = tl.permute(acc, (1, 0, 2))
     else:
@@ -432,7 +393,7 @@ def packed_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, X_NATURAL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
     (one row, ``BLOCK_M == 1``) or tensor-core dots in the activations' dtype ``X_DTYPE``
@@ -440,8 +401,9 @@ def packed_gemv_kernel(
 
     ``EXPERTS`` (one row per program): row ``m`` multiplies the weight of expert
     ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
-    lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart. ``X_NATURAL`` (FMAs
-    only): ``x`` in its own layout and dtype, rows ``stride_xm`` apart, ``stride_xj == 1``."""
+    lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart. FMAs read ``x`` in
+    its own layout and dtype, rows ``stride_xm`` apart; dots read it regrouped
+    (``permute_codes``, strides ``stride_xm`` and ``stride_xj``)."""
     if EXPERTS:
         expert = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
         words_ptr += expert * stride_we
@@ -463,26 +425,11 @@ def packed_gemv_kernel(
             stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
             BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
         )  # fmt: skip
-    elif X_NATURAL:  # one row as the caller holds it
+    else:  # one row as the caller holds it (BLOCK_M == 1)
         total = quads_k_range(
             xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full,
             k_end, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
             GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, LOOP_STAGES,
         )[None, :]  # fmt: skip
-    else:  # one row regrouped (BLOCK_M == 1)
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
-            acc = _fma_tile(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N,
-                K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM,
-            )  # fmt: skip
-        if k_full < k_end:
-            acc = _fma_tile(
-                acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full,
-                N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-                HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM,
-            )  # fmt: skip
-        total = tl.sum(acc, axis=1)[None, :]
     store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
                stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.code_order import restore_codes
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import ACTIVATION_DTYPES, _weight_config, launch_kernel
 from qlens.kernels.reference import reference_linear, reference_w8a8_linear
@@ -87,10 +86,7 @@ class LinearPlan:
     On the kernel route each (row count, activation dtype, bias or none) gets its launch
     prepared once (``prepared_gemv``: grid, strides, constants and the weight's tensors fixed),
     so a later call allocates the output and launches. ``route`` overrides the choice (the
-    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``x_as_is=False`` has a
-    single E2M1 row read regrouped by the packed GEMV (the row comes regrouped from a compiled
-    graph through :meth:`regrouped_row`, or is regrouped first, one more launch; see
-    ``gemv.PackedGemv``: slower than the row as it is since the quad tiles). ``w8a8=True``
+    kernels under ``TRITON_INTERPRET=1`` on the CPU, in tests). ``w8a8=True``
     (``fp8_block`` payloads) quantizes the activations per token and K block to FP8 and
     multiplies on FP8 tensor cores, as ``reference_w8a8_linear`` computes. Built by :func:`plan_for`, which keeps it on the payload.
     """
@@ -101,7 +97,6 @@ class LinearPlan:
         device: torch.device,
         route: Route | None = None,
         *,
-        x_as_is: bool = True,
         w8a8: bool = False,
     ):
         if w8a8:
@@ -113,7 +108,6 @@ class LinearPlan:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.payload = payload
         self.device = device
-        self.x_as_is = x_as_is
         self.w8a8 = w8a8
         self.route: Route = route
         self.view: KernelWeight | None = kernel_weight(payload) if route == "kernel" else None
@@ -138,25 +132,6 @@ class LinearPlan:
         if self.route == "dequantize" and x.dtype in ACTIVATION_DTYPES:
             return self._dequantize(x, bias)
         return reference_linear(x, self.payload, bias)
-
-    def regrouped_row(
-        self, xp: Float[Tensor, "1 8 words"], bias: Float[Tensor, " n"] | None, dtype: torch.dtype
-    ) -> Float[Tensor, "1 n"]:
-        """``x @ W.T + bias`` for one row ``x`` of ``dtype`` that a compiled graph regrouped
-        (``permute_codes(x, for_dot=False)``): the packed GEMV reads it so where this plan's
-        one-row launch regroups (``x_as_is=False``, E2M1); any other launch gets the row back."""
-        k = self.payload.shape[-1]
-        if self.route == "kernel" and dtype in ACTIVATION_DTYPES:
-            shape = torch.Size((1, k))
-            call = self._calls.get((shape, dtype, bias is None))
-            if call is None:
-                call = self._prepare(shape, dtype, bias is None)
-            from qlens.kernels.gemv import PackedGemv  # Triton: the launch is prepared
-
-            if isinstance(call, PackedGemv) and call.regroup and not call.for_dot:
-                # inductor may hand the graph's regrouped row over in another layout
-                return call.on_kernel_rows(xp if xp.is_contiguous() else xp.contiguous(), bias)
-        return self(restore_codes(xp, k, dtype), bias)
 
     def config(self, m: int) -> LinearConfig:
         """The launch for ``m`` rows (chosen once per row count)."""
@@ -192,9 +167,7 @@ class LinearPlan:
         if config.path == "gemv":
             from qlens.kernels.gemv import prepared_gemv  # Triton: once a launch is prepared
 
-            call = prepared_gemv(
-                w, m, dtype, not no_bias, config, out_shape, self.x_as_is, round_x=self.w8a8
-            )
+            call = prepared_gemv(w, m, dtype, not no_bias, config, out_shape, round_x=self.w8a8)
         elif config.path == "dequant" and not self.w8a8:
             from qlens.kernels.dequant import DequantizedLinear  # Triton: as above
 
@@ -237,15 +210,11 @@ def _launch_on(
     return launch_kernel(x.reshape(-1, w.k), w, bias, config, w8a8).view(out_shape)
 
 
-def plan_for(
-    payload: QuantPayload, device: torch.device, *, x_as_is: bool = True, w8a8: bool = False
-) -> LinearPlan:
+def plan_for(payload: QuantPayload, device: torch.device, *, w8a8: bool = False) -> LinearPlan:
     """The plan of ``payload`` on ``device``, kept on the payload (``cached_on_payload``): built
     on the first call and again only when the payload's tensors, format or layout change."""
-    name = f"plan_{device}" + ("" if x_as_is else "_regrouped") + ("_w8a8" if w8a8 else "")
-    return cached_on_payload(
-        payload, name, lambda p: LinearPlan(p, device, x_as_is=x_as_is, w8a8=w8a8)
-    )
+    name = f"plan_{device}" + ("_w8a8" if w8a8 else "")
+    return cached_on_payload(payload, name, lambda p: LinearPlan(p, device, w8a8=w8a8))
 
 
 def linear(
@@ -253,7 +222,6 @@ def linear(
     payload: QuantPayload,
     bias: Float[Tensor, " n"] | None = None,
     *,
-    x_as_is: bool = True,
     w8a8: bool = False,
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` for the weight ``W`` that ``payload`` encodes, in ``x``'s dtype.
@@ -262,11 +230,10 @@ def linear(
     formats they read, a Triton dequantize then cuBLAS for formats with only a dequantize kernel
     (bitsandbytes, GGUF, BitNet), the torch reference otherwise (logged once per format); on the
     CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
-    made on the first call and kept on the payload. ``x_as_is`` and ``w8a8`` (FP8 activations
-    for block FP8 weights): see :class:`LinearPlan` (``qlens::linear_regrouped_row`` runs the
-    ``x_as_is=False`` plan).
+    made on the first call and kept on the payload. ``w8a8`` (FP8 activations for block FP8
+    weights): see :class:`LinearPlan`.
     """
-    return plan_for(payload, x.device, x_as_is=x_as_is, w8a8=w8a8)(x, bias)
+    return plan_for(payload, x.device, w8a8=w8a8)(x, bias)
 
 
 _WARNED: set[tuple[str, str]] = set()

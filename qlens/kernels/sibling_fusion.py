@@ -3,14 +3,12 @@
 In a decode step q/k/v (and an MLP's gate/up) each multiply the same row. Eagerly a
 :class:`~qlens.modules.siblings.SiblingGroup` shares their launch; in a compiled graph
 :func:`fuse_sibling_linears` rewrites their ``qlens::linear`` nodes (dynamo's graph, before
-inductor) into one ``qlens::sibling_linear`` whose output columns the old nodes' users read,
-and the ``qlens::linear_regrouped_row`` nodes of E2M1 rows (each reading its own regrouping of
-the row, the same computation) into one ``qlens::sibling_linear_regrouped_row`` on the first
-one's. The stacked GEMV streams the two or three weights in one launch, which fills the GPU
+inductor) into one ``qlens::sibling_linear`` whose output columns the old nodes' users read.
+The stacked GEMV streams the two or three weights in one launch, which fills the GPU
 better on the small ones (k and v).
 
-Nodes are fused when they read the same row (the same node, or regroupings computed alike from
-it), that row is one row of a float dtype with no gradient (known from the trace), their
+Nodes are fused when they read the same row (the same node, or nodes computed alike from the
+same inputs), that row is one row of a float dtype with no gradient (known from the trace), their
 payloads share a format and input width, all or none has a bias, and no node from the first
 row read to the last linear may write to a tensor in place.
 """
@@ -30,23 +28,16 @@ from qlens.kernels.ops import stacked_width
 from qlens.quant.payload_spec import joined_keys, spec_from_key
 
 _LINEAR = torch.ops.qlens.linear
-_REGROUPED = torch.ops.qlens.linear_regrouped_row
-# Per target of a fusable node: its argument count and the op its siblings fuse into.
-_FUSED = {
-    _LINEAR: (4, torch.ops.qlens.sibling_linear.default),
-    _LINEAR.default: (4, torch.ops.qlens.sibling_linear.default),
-    _REGROUPED: (5, torch.ops.qlens.sibling_linear_regrouped_row.default),
-    _REGROUPED.default: (5, torch.ops.qlens.sibling_linear_regrouped_row.default),
-}
+_LINEARS = frozenset({_LINEAR, _LINEAR.default})  # the targets of a fusable node
+_SIBLINGS = torch.ops.qlens.sibling_linear.default  # what they fuse into
 # Functions that write into a tensor without the in-place "_" suffix.
 _WRITES = frozenset({operator.setitem})
 _SAME_VALUE_DEPTH = 8  # how far up two row nodes are compared
 
 
 def fuse_sibling_linears(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm``'s sibling one-row ``qlens::linear`` (and ``linear_regrouped_row``) nodes
-    into ``qlens::sibling_linear`` (``sibling_linear_regrouped_row``) nodes, in place; the
-    number of nodes replaced."""
+    """Rewrite ``gm``'s sibling one-row ``qlens::linear`` nodes into ``qlens::sibling_linear``
+    nodes, in place; the number of nodes replaced."""
     graph = gm.graph
     by_row: list[tuple[fx.Node, list[fx.Node]]] = []  # a row node and the linears reading it
     for node in graph.nodes:
@@ -72,17 +63,16 @@ def fuse_sibling_linears(gm: fx.GraphModule) -> int:
 
 
 def _is_one_row_linear(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in _FUSED or node.kwargs:
+    if node.op != "call_function" or node.target not in _LINEARS or node.kwargs:
         return False
-    if len(node.args) != _FUSED[node.target][0] or not isinstance(node.args[0], fx.Node):
+    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node):
         return False
     row = _traced(node.args[0])
-    regrouped = len(node.args) == 5  # [1, 8, words]
     return (
         isinstance(row, torch.Tensor)
         and row.dim() >= 1
         and all(isinstance(size, int) for size in row.shape)
-        and (row.shape[0] == 1 if regrouped else row.numel() == row.shape[-1])
+        and row.numel() == row.shape[-1]
         and row.dtype in ACTIVATION_DTYPES
         and not row.requires_grad
     )
@@ -116,15 +106,14 @@ def _same_value(a: object, b: object, depth: int = _SAME_VALUE_DEPTH) -> bool:
 
 
 def _groups(nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
-    """Runs of up to ``MAX_SIBLINGS`` nodes (in graph order) of one op with the same format,
-    input width, bias presence (and output dtype)."""
+    """Runs of up to ``MAX_SIBLINGS`` nodes (in graph order) with the same format, input width
+    and bias presence."""
     from qlens.kernels.sibling_gemv import MAX_SIBLINGS  # Triton: the launch's limit
 
     groups: dict[tuple[Any, ...], list[list[fx.Node]]] = {}
     for node in nodes:
         spec = spec_from_key(node.args[2])  # type: ignore[arg-type]
-        key = (_FUSED[node.target][1], spec.format, spec.shape[-1], node.args[3] is None,
-               node.args[4:])  # fmt: skip
+        key = (spec.format, spec.shape[-1], node.args[3] is None)
         runs = groups.setdefault(key, [[]])
         if len(runs[-1]) == MAX_SIBLINGS:
             runs.append([])
@@ -187,11 +176,8 @@ def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) 
     tensors = [t for node in group for t in node.args[1]]  # type: ignore[union-attr]
     specs = joined_keys([node.args[2] for node in group])  # type: ignore[misc]
     biases = [node.args[3] for node in group]
-    fused_op = _FUSED[first.target][1]
     with graph.inserting_before(first):
-        fused = graph.call_function(
-            fused_op, (first.args[0], tensors, specs, biases, *first.args[4:])
-        )
+        fused = graph.call_function(_SIBLINGS, (first.args[0], tensors, specs, biases))
         fused.meta = dict(first.meta)
         start = 0
         columns: list[fx.Node] = []
@@ -204,7 +190,7 @@ def _fuse(graph: fx.Graph, group: Sequence[fx.Node], order: dict[fx.Node, int]) 
         column.meta = dict(node.meta)
         node.replace_all_uses_with(column)
         graph.erase_node(node)
-    for row in rows:  # a later linear's own regrouping of the row, now unread
+    for row in rows:  # a later linear's own computation of the row, now unread
         _erase_unread(graph, row)
     _widen_traced(fused)
 

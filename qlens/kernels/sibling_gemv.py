@@ -26,7 +26,6 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels.code_order import regrouped_strides
 from qlens.kernels.configs import LinearConfig
 from qlens.kernels.dispatch import _weight_config
 from qlens.kernels.fast_launch import FastLaunch
@@ -68,27 +67,25 @@ def _sibling_pointers(col, START1: tl.constexpr, START2: tl.constexpr, GROUP_N: 
 @no_type_check
 def packed_siblings_gemv_kernel(
     x_ptr, w0, s0, z0, g0, b0, w1, s1, z1, g1, b1, w2, s2, z2, g2, b2, out_ptr,
-    N, K, stride_w, stride_s, stride_xm, stride_xj,
+    N, K, stride_w, stride_s,
     START1: tl.constexpr, START2: tl.constexpr,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_DTYPE: tl.constexpr,
     USE_ASM: tl.constexpr, INTERPRET: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    X_NATURAL: tl.constexpr,
 ):  # fmt: skip
     """``packed_gemv_kernel``'s one-row FMA program over siblings stacked along N (``N`` in
-    all; sibling 1 from column ``START1``, sibling 2 from ``START2``, ``N`` when absent).
-    ``X_NATURAL``: the row as the caller holds it, else regrouped (``permute_codes``)."""
+    all; sibling 1 from column ``START1``, sibling 2 from ``START2``, ``N`` when absent)."""
     w, s, z, g, b = _sibling_pointers(
         tl.program_id(0) * BLOCK_N, START1, START2, 1, stride_w, stride_s,
         w0, s0, z0, g0, b0, w1, s1, z1, g1, b1, w2, s2, z2, g2, b2,
     )  # fmt: skip
     packed_gemv_kernel(
         x_ptr, w, s, z, g, b, out_ptr, out_ptr, out_ptr,
-        1, N, K, stride_xm, stride_xj, stride_w, stride_s, N, 0, 0, 0, 0,
+        1, N, K, K, 1, stride_w, stride_s, N, 0, 0, 0, 0,
         FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, HAS_BIAS,
         1, BLOCK_N, BLOCK_K, False, 1, False, X_DTYPE, USE_ASM, False, INTERPRET,
-        LOOP_STAGES, X_NATURAL,
+        LOOP_STAGES,
     )  # fmt: skip
 
 
@@ -124,10 +121,7 @@ _BYTE_SIBLINGS = FastLaunch(byte_siblings_gemv_kernel)
 class SiblingGemv:
     """``x @ W_i.T (+ b_i)`` for every sibling weight ``W_i`` and one row ``x``, in one launch
     prepared once (grid, strides, constants, the weights' tensors fixed): a call allocates the
-    stacked output and launches. Built by :func:`sibling_gemv`, which checks the siblings.
-    ``regrouped`` (packed words): the row comes regrouped by code position
-    (``permute_codes(x, for_dot=False)``, float32), as a compiled graph hands E2M1 rows over;
-    ``dtype`` is then the output's."""
+    stacked output and launches. Built by :func:`sibling_gemv`, which checks the siblings."""
 
     def __init__(
         self,
@@ -137,12 +131,10 @@ class SiblingGemv:
         has_bias: bool,
         cfg: LinearConfig,
         round_x: bool = False,
-        regrouped: bool = False,
     ) -> None:
         first = views[0]
         self.sizes = [w.n for w in views]
         self.n, self.k, self.dtype, self.has_bias = sum(self.sizes), first.k, dtype, has_bias
-        self.regrouped = regrouped
         self.config = cfg  # the tile, chosen for the stacked [n, k]
         self.device = first.data.device
         starts = [sum(self.sizes[:i]) for i in range(1, len(views))] + [self.n] * 2
@@ -155,7 +147,6 @@ class SiblingGemv:
             tensors += [data, scales, zeros, global_scale, data]  # the bias: a per-call slot
         slot = tensors[0]
         args = (slot, *tensors, slot, self.n, self.k, tensors[0].stride(0), first.scales.stride(0))
-        x_strides = regrouped_strides(self.k) if regrouped else (self.k, 1)
         bias_slots = [5, 10, 15] if has_bias else []
         slots = [0, *bias_slots, 16]
         grid = (ceil_div(self.n, cfg.block_n), 1, 1)
@@ -167,11 +158,10 @@ class SiblingGemv:
         )  # fmt: skip
         if words is not None:
             self.launch = _PACKED_SIBLINGS.prepare(
-                grid, (*args, *x_strides), slots, self.device, FAMILY=first.family,
+                grid, args, slots, self.device, FAMILY=first.family,
                 GROUP_K=first.group_k, SCALE_E8M0=first.scale_e8m0,
                 HAS_ZEROS=first.zeros is not None, GLOBAL_DIVIDE=first.global_divide,
-                X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret, X_NATURAL=not regrouped,
-                **common,
+                X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret, **common,
             )  # fmt: skip
         else:
             self.launch = _BYTE_SIBLINGS.prepare(
@@ -187,12 +177,10 @@ class SiblingGemv:
         return torch.split(self.stacked(x, biases), self.sizes, dim=-1)
 
     def stacked(
-        self, x: Float[Tensor, "..."], biases: Sequence[Tensor] | None
-    ) -> Float[Tensor, "... n"]:
-        """Every sibling's product in one ``[..., n0 + n1 (+ n2)]`` tensor (see ``__call__``;
-        a regrouped row ``[1, 8, words]`` gives ``[1, n]``)."""
-        lead = (1,) if self.regrouped else x.shape[:-1]
-        out = torch.empty((*lead, self.n), dtype=self.dtype, device=self.device)
+        self, x: Float[Tensor, "*one k"], biases: Sequence[Tensor] | None
+    ) -> Float[Tensor, "*one n"]:
+        """Every sibling's product in one ``[..., n0 + n1 (+ n2)]`` tensor (see ``__call__``)."""
+        out = torch.empty((*x.shape[:-1], self.n), dtype=self.dtype, device=self.device)
         if biases is None:
             self.launch(x, out)
         else:
@@ -216,12 +204,10 @@ def sibling_gemv(
     has_bias: bool,
     device: torch.device,
     round_x: bool = False,
-    regrouped: bool = False,
 ) -> SiblingGemv | str:
     """The one-launch GEMV of the sibling weights ``views`` for one row of ``dtype``, or why
     they cannot share one (a sentence). ``round_x``: the row is read rounded to per-token FP8
-    in the weights' K blocks, as W8A8 reads one row (``gemv.ByteGemv``; block FP8 only).
-    ``regrouped``: the row comes regrouped (packed words only; see :class:`SiblingGemv`)."""
+    in the weights' K blocks, as W8A8 reads one row (``gemv.ByteGemv``; block FP8 only)."""
     if not 2 <= len(views) <= MAX_SIBLINGS:
         return f"2 to {MAX_SIBLINGS} weights share a launch, got {len(views)}"
     first = views[0]
@@ -234,8 +220,6 @@ def sibling_gemv(
     packed_words = None if any(t is None for t in words) else [t for t in words if t is not None]
     if packed_words is None and any(t is not None for t in words):
         return "only some of the weights are whole packed words"
-    if regrouped and packed_words is None:
-        return "only packed words read regrouped rows"
     stacked = replace(first, n=sum(w.n for w in views))
     cfg = _weight_config(stacked, 1, device, False)
     if cfg.path != "gemv" or cfg.split_k != 1:
@@ -251,7 +235,7 @@ def sibling_gemv(
                 f"a weight of {w.n} rows does not start on a {cfg.block_n}-column tile and a "
                 f"{first.group_n}-row scale group"
             )
-    return SiblingGemv(views, packed_words, dtype, has_bias, cfg, round_x, regrouped)
+    return SiblingGemv(views, packed_words, dtype, has_bias, cfg, round_x)
 
 
 def plans_gemv(
@@ -260,7 +244,6 @@ def plans_gemv(
     has_bias: bool,
     device: torch.device,
     round_x: bool = False,
-    regrouped: bool = False,
 ) -> SiblingGemv | str:
     """:func:`sibling_gemv` for the weights of these linear plans, or why they cannot share a
     launch (a sentence; also when a plan is not on the kernel route)."""
@@ -268,4 +251,4 @@ def plans_gemv(
     if any(p.route != "kernel" for p in plans):
         return "a weight does not take the fused kernels on this device"
     present = [v for v in views if v is not None]
-    return sibling_gemv(present, dtype, has_bias, device, round_x, regrouped)
+    return sibling_gemv(present, dtype, has_bias, device, round_x)

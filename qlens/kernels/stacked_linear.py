@@ -37,28 +37,10 @@ def stacked_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``cat([x @ W_i.T + b_i for each payload], -1)``, in one launch where the weights allow."""
     one_row = x.numel() == x.shape[-1]
-    launch = _kept_launch(x.device, x.dtype, payloads, biases, False) if one_row else None
+    launch = _kept_launch(x.device, x.dtype, payloads, biases) if one_row else None
     if launch is not None:
         return launch.stacked(x if x.is_contiguous() else x.contiguous(), _present(biases))
     return torch.cat([linear(x, p, b) for p, b in zip(payloads, biases, strict=True)], dim=-1)
-
-
-def stacked_regrouped_row(
-    xp: Float[Tensor, "1 8 words"],
-    payloads: Sequence[QuantPayload],
-    biases: Sequence[Tensor | None],
-    dtype: torch.dtype,
-) -> Float[Tensor, "1 n"]:
-    """:func:`stacked_linear` of one row of ``dtype`` that a compiled graph regrouped
-    (``permute_codes(x, for_dot=False)``), as ``qlens::linear_regrouped_row`` takes it."""
-    launch = _kept_launch(xp.device, dtype, payloads, biases, True) if xp.shape[0] == 1 else None
-    if launch is not None:
-        return launch.stacked(xp if xp.is_contiguous() else xp.contiguous(), _present(biases))
-    rows = [
-        plan_for(p, xp.device, x_as_is=False).regrouped_row(xp, b, dtype)
-        for p, b in zip(payloads, biases, strict=True)
-    ]
-    return torch.cat(rows, dim=-1)
 
 
 def _present(biases: Sequence[Tensor | None]) -> list[Tensor] | None:
@@ -76,25 +58,24 @@ def _kept_launch(
     dtype: torch.dtype,
     payloads: Sequence[QuantPayload],
     biases: Sequence[Tensor | None],
-    regrouped: bool,
 ) -> SiblingGemv | None:
-    """The shared launch for these payloads, one row of ``dtype`` on ``device`` (given
-    regrouped or not), kept on the first payload, or None (each linear then runs on its own)."""
+    """The shared launch for these payloads, one row of ``dtype`` on ``device``, kept on the
+    first payload, or None (each linear then runs on its own)."""
     has_bias = biases[0] is not None
     if dtype not in ACTIVATION_DTYPES or any((b is not None) != has_bias for b in biases):
         return None
     first = payloads[0]
     kept: dict[tuple[object, ...], tuple[tuple[object, ...], SiblingGemv | None]]
     kept = first.__dict__.setdefault(_KEPT, {})
-    key = (*map(id, payloads[1:]), device, dtype, has_bias, regrouped)
+    key = (*map(id, payloads[1:]), device, dtype, has_bias)
     sources = _sources(payloads)
     entry = kept.get(key)
     if entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True)):
         return entry[1]
     from qlens.kernels.sibling_gemv import plans_gemv  # Triton: a launch is prepared
 
-    plans = [plan_for(p, device, x_as_is=not regrouped) for p in payloads]
-    built = plans_gemv(plans, dtype, has_bias, device, regrouped=regrouped)
+    plans = [plan_for(p, device) for p in payloads]
+    built = plans_gemv(plans, dtype, has_bias, device)
     if isinstance(built, str):
         logger.debug("no shared launch for %d linears: %s", len(payloads), built)
     launch = None if isinstance(built, str) else built

@@ -178,9 +178,9 @@ def test_one_packed_row_takes_unpipelined_four_row_tiles(h200):
             assert (cfg.block_k, cfg.num_warps) == (block_k, warps), (n, k, int4)
 
 
-def test_the_launch_does_not_depend_on_how_the_row_is_read(h200):
-    """The dispatcher, the plans and the sibling launch give a row read as it is and a
-    regrouped row the same tile."""
+def test_plans_and_sibling_launches_take_the_dispatchers_one_row_tile(h200):
+    """A plan's one-row launch and the sibling launch of its weights use the tile the
+    dispatcher chooses for one row on this GPU."""
     from qlens.kernels.dispatch import default_config
     from qlens.kernels.plan import LinearPlan
     from qlens.quant.quantize import quantize_weight
@@ -191,18 +191,16 @@ def test_the_launch_does_not_depend_on_how_the_row_is_read(h200):
         payload = quantize_weight(weight, scheme)
         launch = default_config(payload, 1, gpu)
         assert (launch.block_n, launch.num_stages) == (4, 1), scheme
-        for x_as_is in (True, False):
-            plan = LinearPlan(payload, torch.device("cpu"), route="kernel", x_as_is=x_as_is)
-            plan.device = gpu  # the CPU weight stands in for the GPU's
-            assert plan.config(1) == launch, (scheme, x_as_is)
+        plan = LinearPlan(payload, torch.device("cpu"), route="kernel")
+        plan.device = gpu  # the CPU weight stands in for the GPU's
+        assert plan.config(1) == launch, scheme
     from qlens.kernels.sibling_gemv import sibling_gemv
     from qlens.kernels.weights import kernel_weight
 
     views = [kernel_weight(quantize_weight(torch.randn(n, 256), "mxfp4")) for n in (256, 64)]
-    for regrouped in (False, True):
-        launch = sibling_gemv(views, torch.bfloat16, False, gpu, regrouped=regrouped)
-        assert not isinstance(launch, str), launch
-        assert (launch.config.block_n, launch.config.num_stages) == (4, 1), regrouped
+    launch = sibling_gemv(views, torch.bfloat16, False, gpu)
+    assert not isinstance(launch, str), launch
+    assert (launch.config.block_n, launch.config.num_stages) == (4, 1)
 
 
 def test_table_choices_are_kept_per_gpu(h200, monkeypatch):

@@ -46,7 +46,6 @@ def compile_recorded(case):
         results.append({"case": case, "kernel": kernel.__name__,
                         "use_dot": launch.get("USE_DOT"), "use_asm": launch.get("USE_ASM"),
                         "round_x": launch.get("ROUND_X"), "decoded": launch.get("DECODED"),
-                        "x_natural": launch.get("X_NATURAL"),
                         **usage})
     recorded.clear()
 
@@ -68,13 +67,6 @@ for scheme, options, _, w8a8 in CASES:  # q, k and v of an 8B layer
     sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"), round_x=w8a8)(
         torch.randn(1, 4096, dtype=torch.bfloat16), None)
     compile_recorded(f"{scheme}{' w8a8' if w8a8 else ''} siblings")
-from qlens.kernels.code_order import permute_codes
-for scheme in ("mxfp4", "nvfp4"):  # E2M1 rows regrouped in a compiled graph
-    views = [kernel_weight(quantize_weight(torch.randn(n, 4096), scheme)) for n in (4096, 1024)]
-    xp = permute_codes(torch.randn(1, 4096, dtype=torch.bfloat16), for_dot=False)
-    regrouped = sibling_gemv(views, torch.bfloat16, False, torch.device("cpu"), regrouped=True)
-    regrouped.stacked(xp, None)
-    compile_recorded(f"{scheme} regrouped siblings")
 import qlens.kernels.experts as experts
 experts.kernel_device_problem = lambda device: None
 for scheme, options, _, _ in CASES[:3]:  # one token's 8 routed rows of packed 4-bit experts
@@ -118,20 +110,13 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
         "fp8-block siblings": ("byte_siblings_gemv_kernel", False),
         "fp8-block w8a8 siblings": ("byte_siblings_gemv_kernel", True),
         "int8 siblings": ("byte_siblings_gemv_kernel", False),
-        "mxfp4 regrouped siblings": ("packed_siblings_gemv_kernel", None),
-        "nvfp4 regrouped siblings": ("packed_siblings_gemv_kernel", None),
     }
     experts_rows = {
-        r["case"]: (r["kernel"], r["x_natural"]) for r in results if "experts" in r["case"]
+        r["case"]: (r["kernel"], r["use_dot"]) for r in results if "experts" in r["case"]
     }
-    assert experts_rows == {
-        f"{scheme} experts": ("packed_gemv_kernel", True) for scheme in ("int4", "mxfp4", "nvfp4")
+    assert experts_rows == {  # one row a program, in FMAs
+        f"{scheme} experts": ("packed_gemv_kernel", False) for scheme in ("int4", "mxfp4", "nvfp4")
     }
-    natural = {r["case"]: r["x_natural"] for r in results if "siblings" in r["case"]}
-    assert [case for case, as_is in natural.items() if as_is is False] == [
-        "mxfp4 regrouped siblings",
-        "nvfp4 regrouped siblings",
-    ]
     for result in results:
         spill_limit = KNOWN_SPILLS.get((result["case"], result["kernel"]), 0)
         assert result["stack"] <= spill_limit, result  # registers spilled to local memory
@@ -139,7 +124,7 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
             assert result["use_asm"], result  # the GPU decode, not the interpreter's
         if result["use_dot"]:
             assert result["mma"], result  # tensor-core dots
-        if result["x_natural"] and result["kernel"].startswith("packed_"):
+        if result["kernel"].startswith("packed_") and not result["use_dot"]:  # one row as it is
             assert result["barriers"] <= AS_IS_ROW_MAX_BARRIERS, result
         if result["word_load_bytes"] is not None:
             # Packed words stream in 16-byte loads. (One-row GEMVs that loaded one 4-byte word a

@@ -99,14 +99,15 @@ def test_int4_magic_decode_emulated_exactly():
 
 def test_permute_codes_layout():
     x = torch.randn(3, 77)
-    out = permute_codes(x, for_dot=False)
+    out = permute_codes(x)
     assert out.shape == (3, 8, 12) and out.dtype == torch.float32  # 10 words padded to 12
+    assert out.is_contiguous()
     padded = F.pad(x, (0, 96 - 77))
     for j, w in ((0, 0), (5, 7), (7, 11), (4, 9)):
         assert torch.equal(out[:, j, w], padded[:, 8 * w + j])
-    half = permute_codes(x.bfloat16(), for_dot=True)
-    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), permute_codes(
-        x.bfloat16(), for_dot=False))  # fmt: skip
+    assert torch.equal(out[:, :, 10:], torch.zeros(3, 8, 2))  # the padding words
+    half = permute_codes(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(half, out.bfloat16())
 
 
 def _reference(x, payload, bias=None):
@@ -114,11 +115,10 @@ def _reference(x, payload, bias=None):
     return F.linear(x.double(), weight, None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize("as_is", (True, False), ids=("x-as-is", "x-regrouped"))
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
-def test_packed_gemv_matches_reference(case, as_is):
+def test_packed_gemv_matches_reference(case):
     # K = 328: one or five full tiles plus a ragged tail; N = 40: a partial N tile. One row
-    # reads x as it is (or regrouped first, for comparisons); more rows always regroup it.
+    # reads x as it is; more rows regroup it for the tensor-core dots.
     payload = quantized(40, 328, case)
     view = kernel_weight(payload)
     assert word_view(view) is not None  # the word-wise kernel serves it
@@ -129,33 +129,33 @@ def test_packed_gemv_matches_reference(case, as_is):
     ):  # fmt: skip
         x = torch.randn(m, 328)
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
-        out = gemv.prepare_gemv(view, m, x.dtype, True, cfg, x_as_is=as_is)(x, bias)
+        out = gemv.prepare_gemv(view, m, x.dtype, True, cfg)(x, bias)
         assert rel_err(out, _reference(x, payload, bias)) < TOLERANCE[torch.float32], m
 
 
-@pytest.mark.parametrize("lead", (True, False), ids=("quads-lead", "quads-last"))
 @pytest.mark.parametrize(
     "case",
     (*FAMILIES, ("int4", {"group_size": 16, "asymmetric": True})),
     ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])),
 )
-def test_a_row_read_as_it_is_sums_what_the_regrouped_row_sums(case, lead, monkeypatch):
+def test_both_quad_arrangements_sum_alike(case, monkeypatch):
     """Both arrangements of the quad tiles (the one each Triton version's coalescing keeps in
-    registers, ``quads_lead``) give the regrouped row's result bit for bit, over full tiles, a
-    ragged K tail, a partial N tile and K splits; groups span quads (32-128) or pairs of words
-    (16, with zero points)."""
+    registers, ``quads_lead``) give the same result bit for bit, over full tiles, a ragged K
+    tail, a partial N tile and K splits; groups span quads (32-128) or pairs of words (16, with
+    zero points)."""
     import triton.language as tl
 
-    monkeypatch.setattr(packed_gemv, "QUADS_LEAD", tl.constexpr(lead))
     payload = quantized(40, 1064, case)  # K: 1024 and a ragged tail of 40
     view = kernel_weight(payload)
     x, bias = torch.randn(1, 1064), torch.randn(40)
     for split, block_n, block_k in ((1, 8, 1024), (1, 4, 256), (2, 8, 128), (1, 16, 64)):
         cfg = LinearConfig("gemv", 16, block_n, block_k, split_k=split)
-        as_is = gemv.prepare_gemv(view, 1, x.dtype, True, cfg, x_as_is=True)(x, bias)
-        regrouped = gemv.prepare_gemv(view, 1, x.dtype, True, cfg, x_as_is=False)(x, bias)
-        assert torch.equal(as_is, regrouped), (split, block_n, block_k)
-        assert rel_err(as_is, _reference(x, payload, bias)) < TOLERANCE[torch.float32]
+        outs = []
+        for lead in (True, False):
+            monkeypatch.setattr(packed_gemv, "QUADS_LEAD", tl.constexpr(lead))
+            outs.append(gemv.PackedGemv(view, word_view(view), 1, x.dtype, True, cfg)(x, bias))
+        assert torch.equal(outs[0], outs[1]), (split, block_n, block_k)
+        assert rel_err(outs[0], _reference(x, payload, bias)) < TOLERANCE[torch.float32]
 
 
 def test_quads_lead_up_to_triton_3_6_only():
@@ -163,41 +163,6 @@ def test_quads_lead_up_to_triton_3_6_only():
     assert not packed_gemv.quads_lead("3.7.1")
     assert not packed_gemv.quads_lead("3.9.0+git1234")
     assert not packed_gemv.quads_lead("4.0.0")
-
-
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
-def test_a_regrouped_row_takes_the_regrouping_launch_with_no_regrouping_of_its_own(
-    case, dtype, monkeypatch
-):
-    """``LinearPlan.regrouped_row`` (what a compiled graph calls with a row it regrouped): on
-    the plan that regroups E2M1 rows the packed GEMV reads the given row itself, with no
-    ``permute_codes`` of its own, and gives what the row read as it is gives; int4 rows (read
-    as they are) are restored and run that way."""
-    from qlens.kernels.plan import LinearPlan
-
-    payload = quantized(40, 328, case)
-    x, bias = torch.randn(1, 328).to(dtype), torch.randn(40).to(dtype)
-    xp = permute_codes(x, for_dot=False)
-    fed: list[torch.Tensor] = []
-    kernel_rows = gemv.PackedGemv.on_kernel_rows
-
-    def recording(self, rows, *args):
-        fed.append(rows)
-        return kernel_rows(self, rows, *args)
-
-    monkeypatch.setattr(gemv.PackedGemv, "on_kernel_rows", recording)
-    cpu = torch.device("cpu")
-    out = LinearPlan(payload, cpu, "kernel", x_as_is=False).regrouped_row(xp, bias, dtype)
-    assert len(fed) == 1
-    e2m1 = case[0] != "int4"
-    assert (fed[0] is xp) is e2m1
-    as_is = LinearPlan(payload, cpu, "kernel")(x, bias)
-    assert out.dtype == dtype
-    if e2m1:  # the same products, summed in the same order: x read either way
-        assert torch.equal(out, as_is)
-    else:
-        assert torch.equal(out, as_is) and torch.equal(fed[0], x)
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
@@ -262,14 +227,23 @@ def test_word_kernel_is_the_default_and_can_be_turned_off(monkeypatch):
     assert rel_err(byte, reference) < TOLERANCE[torch.float32]
 
 
-def test_only_e2m1_rows_are_regrouped_when_allowed():
-    # One int4 row reads x as it is even where regrouping is allowed (as fast in a CUDA graph,
-    # with no extra launch); one E2M1 row is regrouped there; more rows always are.
+@pytest.mark.parametrize("scheme", ("int4", "mxfp4", "nvfp4"))
+def test_one_row_is_read_as_it_is_and_more_rows_are_regrouped(scheme, monkeypatch):
+    """One row meets FMAs as the caller holds it, with no copy before the launch; rows on
+    tensor cores are regrouped by code position first, one copy a call."""
     cfg = LinearConfig("gemv", 16, 32, 128)
-    for scheme, regrouped in (("int4", False), ("mxfp4", True), ("nvfp4", True)):
-        view = kernel_weight(quantized(32, 128, (scheme, {})))
-        assert gemv.prepare_gemv(view, 1, torch.bfloat16, False, cfg, x_as_is=False).regroup is (
-            regrouped
-        )
-        assert not gemv.prepare_gemv(view, 1, torch.bfloat16, False, cfg).regroup
-        assert gemv.prepare_gemv(view, 3, torch.bfloat16, False, cfg).regroup
+    payload = quantized(32, 128, (scheme, {}))
+    view = kernel_weight(payload)
+    regrouped: list[tuple[int, ...]] = []
+    permute = gemv.permute_codes
+
+    def recording(x):
+        regrouped.append(tuple(x.shape))
+        return permute(x)
+
+    monkeypatch.setattr(gemv, "permute_codes", recording)
+    for m in (1, 3):
+        x = torch.randn(m, 128)
+        out = gemv.prepare_gemv(view, m, x.dtype, False, cfg)(x, None)
+        assert rel_err(out, _reference(x, payload)) < TOLERANCE[torch.float32], m
+    assert regrouped == [(3, 128)]

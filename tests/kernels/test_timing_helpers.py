@@ -124,8 +124,10 @@ def test_result_files_are_named_after_the_gpu_that_ran():
     assert timing.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100"
     assert timing.gpu_tag("NVIDIA L40S") == "l40s"
     assert timing.gpu_tag("Some Future Accelerator") == "gpu"
-    assert timing.result_filename("x_as_is_h200.md", "NVIDIA H100 80GB HBM3") == "x_as_is_h100.md"
-    assert timing.result_filename("x_as_is_h200.md", "NVIDIA H200") == "x_as_is_h200.md"
+    assert timing.result_filename("gemv_tiles_h200.md", "NVIDIA H100 80GB HBM3") == (
+        "gemv_tiles_h100.md"
+    )
+    assert timing.result_filename("gemv_tiles_h200.md", "NVIDIA H200") == "gemv_tiles_h200.md"
     assert timing.result_filename("compiled_decode_8b.md", "NVIDIA H100") == "compiled_decode_8b.md"
 
 

@@ -18,10 +18,10 @@ from qlens.kernels.code_order import permute_codes
 )
 def test_an_annotated_shape_or_dtype_violation_raises(x: torch.Tensor) -> None:
     with pytest.raises((TypeCheckError, BeartypeCallHintViolation), match="permute_codes"):
-        permute_codes(x, for_dot=False)
+        permute_codes(x)
 
 
 def test_traced_calls_run_unchecked_and_give_the_eager_result() -> None:
     x = torch.randn(2, 64)
-    traced = torch.compile(lambda t: permute_codes(t, for_dot=False), backend="eager")
-    assert torch.equal(traced(x), permute_codes(x, for_dot=False))
+    traced = torch.compile(lambda t: permute_codes(t), backend="eager")
+    assert torch.equal(traced(x), permute_codes(x))

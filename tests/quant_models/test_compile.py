@@ -65,11 +65,9 @@ def test_a_compiled_quant_linear_rejects_inputs_of_another_width() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "int4"])
-def test_one_e2m1_row_is_regrouped_only_on_a_regrouping_device(scheme: str, monkeypatch) -> None:
-    """On a device of ``REGROUPING_DEVICES`` (none by default; here the CPU is added), one
-    token's E2M1 rows are regrouped in the graph and reach the GEMV through
-    ``qlens::linear_regrouped_row``, exactly as eager; int4 rows, several rows and every device
-    by default keep ``qlens::linear``."""
+def test_one_token_and_a_prompt_trace_to_the_linear_op(scheme: str) -> None:
+    """One token's rows and a prompt's reach the kernels through ``qlens::linear`` alone, with
+    no graph break, and the compiled step gives eager's logits exactly."""
     model = quantize(make_model("llama"), scheme)
     token, tokens = input_ids()[:1, :1], input_ids()[:1]
 
@@ -81,11 +79,7 @@ def test_one_e2m1_row_is_regrouped_only_on_a_regrouping_device(scheme: str, monk
         return {str(n.target) for n in nodes if "qlens" in str(n.target)}
 
     with torch.no_grad():
-        assert not ops.REGROUPING_DEVICES  # graphs read one E2M1 row as it is, on any device
         assert traced_ops(token) == {"qlens.linear"}
-        monkeypatch.setattr(ops, "REGROUPING_DEVICES", frozenset({"cuda", "cpu"}))
-        regrouped = {"qlens.linear_regrouped_row"} if scheme != "int4" else {"qlens.linear"}
-        assert traced_ops(token) == regrouped
         assert traced_ops(tokens) == {"qlens.linear"}
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -190,24 +184,6 @@ def test_the_w8a8_op_passes_opcheck_and_passes_gradients_straight_through() -> N
     # The activations' FP8 rounding passes the gradient through unchanged: grad @ W.
     (grad,) = torch.autograd.grad(ops.w8a8_linear_op(x, tensors, key, None).sum(), x)
     torch.testing.assert_close(grad, torch.ones(3, 40) @ dequantize(payload, torch.float32))
-
-
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_the_regrouped_row_op_passes_opcheck(scheme: str) -> None:
-    from qlens.kernels.code_order import permute_codes
-
-    payload = quantize_weight(torch.randn(40, 128), scheme)
-    tensors, key = list(payload.tensors().values()), PayloadSpec.of(payload).key
-    xp = permute_codes(torch.randn(1, 128), for_dot=False)
-    for bias, dtype in (
-        (None, torch.float32),
-        (torch.randn(40), torch.float32),
-        (None, torch.bfloat16),
-    ):
-        torch.library.opcheck(
-            ops.linear_regrouped_row_op, (xp, tensors, key, bias, dtype),
-            test_utils=_checks(tensors),
-        )  # fmt: skip
 
 
 def _checks(tensors: list[torch.Tensor]) -> tuple[str, ...]:

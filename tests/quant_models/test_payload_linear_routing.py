@@ -129,33 +129,25 @@ def test_dequantize_route_checks_values_once_per_payload(entry, monkeypatch):
     assert seen == [True, False, False, True]
 
 
-def test_the_linear_op_runs_the_eager_plan_and_the_regrouped_row_op_its_own(monkeypatch) -> None:
-    """``qlens::linear`` takes the plan an eager call takes (x as it is, captured or not);
-    ``qlens::linear_regrouped_row`` (one row a compiled graph regrouped) the plan that reads
-    E2M1 rows regrouped. Two plans, kept apart on the payload; both give the eager result."""
+def test_the_linear_op_runs_the_eager_plan(monkeypatch) -> None:
+    """``qlens::linear`` (what a compiled graph calls) asks for the plan an eager call asks for
+    and gives the eager result, for one row and several."""
     import qlens.kernels.ops  # noqa: F401 - registers torch.ops.qlens
-    from qlens.kernels.code_order import permute_codes
     from qlens.quant.payload_spec import PayloadSpec
 
     payload = quantize_weight(torch.randn(8, 64), "nvfp4")
-    seen: list[bool] = []
+    asked: list[tuple[torch.device, bool]] = []
     real = plan.plan_for
 
-    def recording(p, device, *, x_as_is=True, w8a8=False):
-        assert not w8a8
-        seen.append(x_as_is)
-        return real(p, device, x_as_is=x_as_is)
+    def recording(p, device, *, w8a8=False):
+        asked.append((device, w8a8))
+        return real(p, device, w8a8=w8a8)
 
     monkeypatch.setattr(plan, "plan_for", recording)
     spec = PayloadSpec.of(payload)
     tensors = [payload.tensors()[name] for name in spec.tensor_names]
-    x = torch.randn(1, 64)
-    eager = plan.linear(x, payload)
-    assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
-    xp = permute_codes(x, for_dot=False)
-    rows = torch.ops.qlens.linear_regrouped_row(xp, tensors, spec.key, None, torch.float32)
-    assert torch.equal(rows, eager)
-    assert seen == [True, True, False]
-    regrouped = real(payload, META, x_as_is=False)
-    assert regrouped is real(payload, META, x_as_is=False) and regrouped is not real(payload, META)
-    assert not regrouped.x_as_is and real(payload, META).x_as_is
+    for rows in (1, 3):
+        x = torch.randn(rows, 64)
+        eager = plan.linear(x, payload)
+        assert torch.equal(torch.ops.qlens.linear(x, tensors, spec.key, None), eager)
+    assert asked == [(x.device, False)] * 4

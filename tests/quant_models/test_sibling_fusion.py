@@ -72,34 +72,6 @@ def test_the_fusing_backend_gives_the_eager_logits(backend: str) -> None:
         assert torch.equal(compiled(tokens).logits, model(tokens).logits)
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_e2m1_rows_regrouped_in_the_graph_fuse_on_the_first_regrouping(scheme, monkeypatch) -> None:
-    """Where one E2M1 row is regrouped in the graph (GPUs; here the CPU too), each linear
-    regroups it alike: the siblings read the first one's and the others' are gone."""
-    monkeypatch.setattr(ops, "REGROUPING_DEVICES", frozenset({"cuda", "cpu"}))
-    model = quantize(make_model("llama"), scheme)
-    token = input_ids()[:1, :1]
-    seen: list[fx.GraphModule] = []
-
-    def unfused(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202
-        seen.append(gm)
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(model, backend=unfused, fullgraph=True)(token)
-        torch._dynamo.reset()
-        gm, replaced, out = _captured(model, token)
-        assert torch.equal(out.logits, model(token).logits)
-    assert replaced == 10
-    fused_op = "qlens.sibling_linear_regrouped_row.default"
-    assert sorted(_targets(gm)) == ["qlens.linear_regrouped_row"] * 4 + [fused_op] * 4
-    # Each fused group reads one regrouping: 6 fewer per layer's 7 linears become 4.
-    assert len(gm.graph.nodes) < len(seen[0].graph.nodes)
-    for node in gm.graph.nodes:
-        if str(node.target) == fused_op:
-            assert node.args[0].users.keys() == {node}  # the first linear's regrouping
-
-
 def test_several_rows_are_not_fused() -> None:
     model = quantize(make_model("llama"), "int4")
     gm, replaced, _ = _captured(model, input_ids()[:1])
@@ -230,18 +202,12 @@ def test_the_sibling_op_passes_opcheck() -> None:
 @pytest.mark.skipif(
     not interpreting(), reason="runs the kernels on CPU tensors (TRITON_INTERPRET=1)"
 )
-@pytest.mark.parametrize(
-    ("scheme", "regrouped"), [("int4", False), ("fp8-block", False), ("nvfp4", True)]
-)
-def test_the_fused_op_launches_once_per_group_on_the_kernel_route(
-    scheme, regrouped, monkeypatch
-) -> None:
+@pytest.mark.parametrize("scheme", ["int4", "fp8-block", "nvfp4"])
+def test_the_fused_op_launches_once_per_group_on_the_kernel_route(scheme, monkeypatch) -> None:
     """The compiled step's sibling ops run one stacked GEMV each (Triton's interpreter), with
-    the logits of the unfused graph, also on E2M1 rows regrouped in the graph. Block FP8's k and
-    v (64 rows) end inside a 128-row scale block: that group runs its linears one by one."""
+    the logits of the unfused graph. Block FP8's k and v (64 rows) end inside a 128-row scale
+    block: that group runs its linears one by one."""
     monkeypatch.setattr(plan, "choose_route", lambda payload, device: ("kernel", None))
-    if regrouped:
-        monkeypatch.setattr(ops, "REGROUPING_DEVICES", frozenset({"cuda", "cpu"}))
     stacked = count_stacked_launches(monkeypatch)
     model = quantize(make_model("llama").to(torch.bfloat16), scheme)
     token = input_ids()[:1, :1]
