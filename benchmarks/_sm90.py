@@ -37,6 +37,26 @@ def nvidia_tools() -> Path | None:
     return tools if (tools / "ptxas").exists() and (tools / "cuobjdump").exists() else None
 
 
+def record_launches() -> list[tuple]:
+    """Make qlens' prepared launches record ``(kernel, arguments, options)`` instead of running,
+    as the H200 launch tables choose them, with CPU tensors standing in for the GPU's (for good:
+    a script that compiles what it records calls this once). Returns the list they go to."""
+    import qlens.kernels.configs as configs
+    import qlens.kernels.dispatch as dispatch
+    import qlens.kernels.experts as experts
+    from qlens.kernels.fast_launch import PreparedLaunch
+
+    configs.gpu_name = lambda device: "NVIDIA H200"
+    configs.sm_count = lambda device: 132
+    dispatch.require_kernel_device = lambda device: None
+    experts.kernel_device_problem = lambda device: None
+    recorded: list[tuple] = []
+    PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(  # type: ignore[method-assign]
+        (self.launcher.kernel, self.arguments(*tensors), self._options)
+    )
+    return recorded
+
+
 def compile_for_sm90(kernel: Any, args: tuple, options: dict) -> Any:
     """``kernel`` compiled for sm_90 with the signature of the recorded ``args`` (tensors by
     dtype, integers by range) and the recorded constexprs and launch ``options``, specialized as

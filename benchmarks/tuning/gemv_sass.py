@@ -26,6 +26,7 @@ from benchmarks._sm90 import (
     compile_for_sm90,
     cuobjdump,
     nvidia_tools,
+    record_launches,
     sass_loops,
     stack_bytes,
 )
@@ -38,19 +39,10 @@ SHARED_MEMORY_OPS = ("STS", "LDS", "LDSM", "BAR")
 def recorded_launch(scheme: str, n: int, k: int) -> tuple:
     """The GEMV launch (kernel, arguments, options) the H200 tables give one row of ``x`` as it
     is on an ``[n, k]`` weight, recorded instead of run (CPU tensors stand in)."""
-    import qlens.kernels.configs as configs
-    import qlens.kernels.dispatch as dispatch
-    from qlens.kernels.fast_launch import PreparedLaunch
     from qlens.kernels.plan import LinearPlan
     from qlens.quant.quantize import quantize_weight
 
-    configs.gpu_name = lambda device: "NVIDIA H200"
-    configs.sm_count = lambda device: 132
-    dispatch.require_kernel_device = lambda device: None
-    recorded: list[tuple] = []
-    PreparedLaunch.__call__ = lambda self, *tensors: recorded.append(  # type: ignore[method-assign]
-        (self.launcher.kernel, self.arguments(*tensors), self._options)
-    )
+    recorded = record_launches()
     options = {"group_size": 128} if scheme == "int4" else {}
     payload = quantize_weight(torch.randn(n, k), scheme, **options)
     LinearPlan(payload, torch.device("cpu"), route="kernel")(
