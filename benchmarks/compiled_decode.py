@@ -74,8 +74,8 @@ def measure(
     experts: str = "node",
 ) -> dict:
     """One row: ``loop`` "hf" is transformers' compiled ``generate``, "static" is
-    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``experts="ops"`` traces a decode step's routed
-    experts to one ``qlens::experts_linear`` per projection, the gating and the weighted sum
+    ``qlens.StaticDecoder`` ("static-unfused": without sibling fusion); ``experts="ops"``
+    traces a decode step's routed experts to one ``qlens::experts_linear`` per projection, the gating and the weighted sum
     between them left to inductor, instead of the one ``qlens::moe_decode`` node."""
     from torch._dynamo.utils import counters
 

@@ -19,6 +19,7 @@ import difflib
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -96,9 +97,14 @@ def _code(listing: list[str]) -> list[str]:
     return [_OFFSET.sub("", line).strip() for line in listing if ";" in line]
 
 
-def _loop_sizes(listing: list[str]) -> str:
-    """Instructions in each loop of a listing (the K loops), as ``a+b``."""
-    return "+".join(str(sum(loop.values())) for loop in sass_loops("\n".join(listing))) or "-"
+def _loops(listing: list[str]) -> list[Counter]:
+    """The opcodes of each loop of a listing (the K loops), counted."""
+    return sass_loops("\n".join(listing))
+
+
+def _sizes(loops: list[Counter]) -> str:
+    """Instructions in each loop, as ``a+b``."""
+    return "+".join(str(sum(loop.values())) for loop in loops) or "-"
 
 
 def compare(before: dict[str, list[str]], after: dict[str, list[str]]) -> str:
@@ -113,7 +119,8 @@ def compare(before: dict[str, list[str]], after: dict[str, list[str]]) -> str:
         old, new = before.get(label), after.get(label)
         if old is None or new is None:
             rows.append(
-                f"| {label} | {len(_code(old or []))} | {len(_code(new or []))} | | | one side only |"
+                f"| {label} | {len(_code(old or []))} | {len(_code(new or []))} | | | | "
+                "one side only |"
             )
             continue
         old_code, new_code = _code(old), _code(new)
@@ -130,10 +137,10 @@ def compare(before: dict[str, list[str]], after: dict[str, list[str]]) -> str:
                 if line[:1] in "+-" and not line.startswith(("+++", "---"))
             )
             verdict = f"no ({changed} lines differ)"
-        loops_alike = sass_loops("\n".join(old)) == sass_loops("\n".join(new))
+        old_loops, new_loops = _loops(old), _loops(new)
         rows.append(
-            f"| {label} | {len(old_code)} | {len(new_code)} | {_loop_sizes(old)} | "
-            f"{_loop_sizes(new)} | {'yes' if loops_alike else 'no'} | {verdict} |"
+            f"| {label} | {len(old_code)} | {len(new_code)} | {_sizes(old_loops)} | "
+            f"{_sizes(new_loops)} | {'yes' if old_loops == new_loops else 'no'} | {verdict} |"
         )
     return "\n".join(rows)
 

@@ -32,3 +32,5 @@ def test_compare_tells_same_code_argument_offsets_and_changes_apart():
     assert rows["offsets"].endswith("| yes | yes, but for argument offsets |")
     assert rows["changed"].endswith("| 3 | 3 | no | no (2 lines differ) |")
     assert rows["gone"].endswith("| one side only |")
+    columns = compare(before, after).splitlines()[0].count("|")
+    assert all(row.count("|") == columns for row in rows.values())
