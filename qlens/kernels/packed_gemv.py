@@ -11,8 +11,9 @@ hot loop) and every code is decoded exactly in a few integer operations:
   such values, two per 32-bit register; the interpreter runs the same bit operations one code
   at a time. The factor ``2**14`` is applied with the group scale.
 
-For one row each code meets ``x`` in float32 FMAs; the products of one tile are summed per word
-and multiplied by the group scale once per word instead of once per code. A row read as the
+For one row each code meets ``x`` in float32 FMAs; the products of a quad of words (below) are
+summed in two chains, words 0-1 and 2-3, and multiplied by their group scale once per quad
+(groups of 32 or more) or per chain (groups of 16), not once per code or word. A row read as the
 caller holds it (any float dtype, so a call launches nothing but the GEMV) is tiled as quads of
 words: each thread loads four consecutive words of a weight row (16 bytes) and the 32
 activations they meet (four 16-byte loads, split into the eight code positions in registers),
@@ -216,6 +217,37 @@ def _pairs_to_quads(pairs, BLOCK_N: tl.constexpr, QUADS: tl.constexpr):
 
 @triton.jit
 @no_type_check
+def _quad_major(t):
+    """A quad tile (``[Q, B, C]`` with ``QUADS_LEAD``, else ``[C, B, Q]``) as ``[Q, B, C]``."""
+    if QUADS_LEAD:
+        return t
+    else:
+        return tl.permute(t, (2, 1, 0))
+
+
+@triton.jit
+@no_type_check
+def _word_slices(t):
+    """Words 0-3 of each quad of a quad tile (``_quad_major``'s ``[Q, B, 4]``), four ``[Q, B]``."""
+    t = _quad_major(t)
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))  # word 2 h + l by l
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+@no_type_check
+def _true_scale(part, FAMILY: tl.constexpr):
+    """A sum of decoded codes times their values: E2M1 codes decode to ``value * 2**-14``."""
+    if FAMILY == INT4_C:
+        return part
+    else:
+        return part * _FACTOR_C
+
+
+@triton.jit
+@no_type_check
 def _fma_quads(
     acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
     stride_xm, stride_w, stride_s,
@@ -223,12 +255,14 @@ def _fma_quads(
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """``acc += W[n, k] * x[m, k]`` summed per word, for one K tile and the row ``offs_m``
-    (``[1]``) of ``x`` as the caller holds it (code ``j`` of word ``w`` at ``8 w + j``, any
-    float dtype), in FMAs on quads of words: word ``4 q + c`` of the tile and
-    row ``n`` is ``acc[q, n, c]`` (``QUADS_LEAD``) or ``acc[c, n, q]``. A thread's quad is one
-    16-byte load of words and four of activations (``[.., 8]``, split into the eight code
-    positions in registers), both in the same registers of the same thread."""
+    """``acc[q, n] += sum W[n, k] * x[m, k]`` over quad ``q`` of one K tile, for the row
+    ``offs_m`` (``[1]``) of ``x`` as the caller holds it (code ``j`` of word ``w`` at
+    ``8 w + j``, any float dtype), in FMAs on quads of words: word ``4 q + c`` of the tile and
+    row ``n`` is element ``[q, n, c]`` (``QUADS_LEAD``) or ``[c, n, q]`` of the loaded tiles. A
+    thread's quad is one 16-byte load of words and four of activations (``[.., 8]``, split into
+    the eight code positions in registers), both in the same registers of the same thread. The
+    products of a quad's words in one group of scales are summed in one chain of FMAs, and
+    scaled once."""
     QUADS: tl.constexpr = BLOCK_K // 32
     if QUADS_LEAD:
         offs_q = tl.arange(0, QUADS)[:, None, None]
@@ -262,7 +296,9 @@ def _fma_quads(
         scale, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0 + offs_q * 32, N,
                                    K, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
                                    GLOBAL_DIVIDE)  # fmt: skip
-    else:  # groups of 16 (the kernels' least): two words a group, read once, repeated
+        scale_lo = tl.reshape(_quad_major(scale), (QUADS, BLOCK_N))
+        scale_hi = scale_lo
+    else:  # groups of 16 (the kernels' least): words 0-1 and 2-3 of a quad, each read once
         if QUADS_LEAD:
             k_pair = k0 + offs_q * 32 + tl.arange(0, 2)[None, None, :] * 16  # [Q, 1, 2]
         else:
@@ -270,20 +306,29 @@ def _fma_quads(
         scale, zero = _quad_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k_pair, N, K,
                                    stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
                                    GLOBAL_DIVIDE)  # fmt: skip
-        scale = _pairs_to_quads(scale, BLOCK_N, QUADS)
+        scale_lo, scale_hi = tl.split(_quad_major(scale))
         if HAS_ZEROS:
             zero = _pairs_to_quads(zero, BLOCK_N, QUADS)
+    # Two chains of FMAs a quad and row: words 0-1 (``lo``) and 2-3 (``hi``), one group each
+    # when groups are 16 long.
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        w = _code(state, zero, j, FAMILY, USE_ASM)
+        w0, w1, w2, w3 = _word_slices(_code(state, zero, j, FAMILY, USE_ASM))
+        v0, v1, v2, v3 = _word_slices(xs[j])
         if j == 0:
-            part = w * xs[j]
+            lo = w0 * v0
+            hi = w2 * v2
         else:
-            part += w * xs[j]
-    if FAMILY == INT4_C:
-        return acc + part * scale
+            lo += w0 * v0
+            hi += w2 * v2
+        lo += w1 * v1
+        hi += w3 * v3
+    if GROUP_K >= 32:
+        acc += _true_scale(lo + hi, FAMILY) * scale_lo
     else:
-        return acc + (part * _FACTOR_C) * scale
+        acc += _true_scale(lo, FAMILY) * scale_lo
+        acc += _true_scale(hi, FAMILY) * scale_hi
+    return acc
 
 
 @triton.jit
@@ -299,10 +344,7 @@ def quads_k_range(
     """float32 ``[BLOCK_N]``: ``sum_k W[n, k] * x[m, k]`` over ``[k_begin, k_end)`` for the one
     row ``offs_m`` (``[1]``) of ``x`` as the caller holds it (``_fma_quads``): whole
     ``BLOCK_K`` steps up to ``k_full`` unmasked along K, then the masked rest."""
-    if QUADS_LEAD:
-        acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 4), dtype=tl.float32)
-    else:
-        acc = tl.zeros((4, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_begin, k_full, BLOCK_K, num_stages=LOOP_STAGES):
         acc = _fma_quads(
             acc, x_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, N, K,
@@ -315,12 +357,7 @@ def quads_k_range(
             stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
             BLOCK_N, BLOCK_K, True, True, USE_ASM,
         )  # fmt: skip
-    # [BLOCK_N, words] in word order, then one sum per row
-    if QUADS_LEAD:
-        acc = tl.permute(acc, (1, 0, 2))
-    else:
-        acc = tl.permute(acc, (1, 2, 0))
-    return tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_K // 8)), axis=1)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
