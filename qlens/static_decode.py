@@ -25,6 +25,11 @@ from qlens.bridge.names import NamesFilter, resolve_names
 from qlens.bridge.tokens import token_device
 from qlens.decode_recording import DecodeRecorder
 from qlens.kernels.sibling_fusion import fusing_backend
+from qlens.modules.payload_guards import (
+    Signature,
+    payload_signature,
+    without_payload_tensor_guards,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -99,6 +104,8 @@ class StaticDecoder:
             raise ValueError(
                 "backend, mode and fuse_siblings choose how the step compiles: pass compile=True"
             )
+        if mode is not None and backend != "inductor":
+            raise ValueError(f"mode is inductor's; the backend is {backend!r}: leave mode out")
         self.model = hf_model
         self.max_length = max_length
         self._cache_keyword = _cache_keyword(hf_model)
@@ -110,6 +117,7 @@ class StaticDecoder:
         self._state: _DecodeState | None = None
         self._active_hooks = ""  # the names of the bridge hooks the next steps run with
         self._step: Callable[[], None] | None = None
+        self._payloads: Signature | None = None  # of the payloads the compiled steps ran on
         self._recorder: DecodeRecorder | None = None
 
     def __repr__(self) -> str:
@@ -259,6 +267,17 @@ class StaticDecoder:
             self._step = None
         return state
 
+    def _check_payloads(self) -> None:
+        """Compiled steps do not guard the quantized modules' payload buffers (dynamo would
+        check them at every step, ``qlens.modules.payload_guards``): compare them here, once a
+        call, and drop the compiled steps of every decoder when they changed."""
+        if not self._compile:
+            return
+        payloads = payload_signature(self.model)
+        if self._payloads is not None and payloads != self._payloads:
+            torch._dynamo.reset_code(StaticDecoder._decode_step.__code__)
+        self._payloads = payloads
+
     def _special_ids(
         self, stop_at_eos: bool, eos_token_id: int | list[int] | None, pad_token_id: int | None
     ) -> tuple[list[int], int]:
@@ -283,6 +302,7 @@ class StaticDecoder:
         """The decode tensors for this batch (reused, their cache emptied, when the batch size
         is the one last seen), filled for this prompt, and the prompt's position ids."""
         batch, prompt = input_ids.shape
+        self._check_payloads()
         state = self._state_for(batch)
         state.cache.reset()
         device = state.mask.device
@@ -343,13 +363,21 @@ class StaticDecoder:
                 if mode is None and self._backend == "inductor":
                     cuda = self._state is not None and self._state.mask.device.type == "cuda"
                     mode = "reduce-overhead" if cuda else "default"
+                options: dict[str, Any] = {
+                    "guard_filter_fn": without_payload_tensor_guards(self.model)
+                }
                 if self._fuse_siblings:
-                    backend = fusing_backend(self._backend, mode)
-                    self._step = torch.compile(self._decode_step, backend=backend, fullgraph=True)
+                    backend: Any = fusing_backend(self._backend, mode)
+                elif self._backend == "inductor":
+                    from torch._inductor import list_mode_options
+
+                    backend = "inductor"
+                    options.update(list_mode_options(mode or "default"))
                 else:
-                    self._step = torch.compile(
-                        self._decode_step, backend=self._backend, mode=mode, fullgraph=True
-                    )
+                    backend = self._backend
+                self._step = torch.compile(
+                    self._decode_step, backend=backend, fullgraph=True, options=options
+                )
         return self._step
 
 
