@@ -261,8 +261,8 @@ def _fma_quads(
     row ``n`` is element ``[q, n, c]`` (``QUADS_LEAD``) or ``[c, n, q]`` of the loaded tiles. A
     thread's quad is one 16-byte load of words and four of activations (``[.., 8]``, split into
     the eight code positions in registers), both in the same registers of the same thread. The
-    products of a quad's words in one group of scales are summed in one chain of FMAs, and
-    scaled once."""
+    products of words 0-1 and of words 2-3 of a quad run in two chains of FMAs, scaled once a
+    quad (groups of 32 or more: the chains summed first) or once a chain (groups of 16)."""
     QUADS: tl.constexpr = BLOCK_K // 32
     if QUADS_LEAD:
         offs_q = tl.arange(0, QUADS)[:, None, None]

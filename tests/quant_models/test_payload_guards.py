@@ -1,7 +1,9 @@
 """A compiled ``StaticDecoder`` step leaves the payload buffers' tensor guards out (dynamo checked
-them at every step) and checks the same properties itself once a call: a payload changed in
-dtype, device, shape or strides recompiles the step, one changed in value only is read as it is
-now, and the tokens stay those of transformers' greedy ``generate``."""
+them at every step) and checks the same properties itself once a call: the signature it
+compares follows dtype, shape and strides, a changed signature recompiles the step (faked: the
+CPU has one device, and payload validation refuses the other changes), a payload changed in
+value only is read as it is now, and the tokens stay those of transformers' greedy
+``generate``."""
 
 from __future__ import annotations
 
