@@ -1,5 +1,5 @@
 """Where a ``qlens.StaticDecoder`` decode's time goes, without ``torch.profiler`` (whose host
-events stretch under it): the eager prefill's wall time, and per decode step the host's time
+events stretch under it): the prompt's wall time (compiled, the default, and eager), and per decode step the host's time
 to issue it (the Python call returning, no sync), the GPU's time to run it (CUDA events around
 each step: the graph's kernels and the gaps between them) and the GPU's idle time between
 steps, with the wall time per token, bf16 against qlens schemes.
@@ -69,17 +69,22 @@ def seeded_prompt(shape: Shape, device: torch.device) -> torch.Tensor:
 
 
 def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: int) -> dict:
-    """Wall microseconds a token over ``repeats`` timed decodes, the eager prefill's wall time
-    (a call producing one token: the prompt's forward, no decode step), and the step clock of
-    one more decode."""
+    """Wall microseconds a token over ``repeats`` timed decodes, the prompt's wall time (a
+    call producing one token: the prompt's forward, no decode step), compiled and eager, and
+    the step clock of one more decode."""
     from qlens.static_decode import StaticDecoder
 
     torch._dynamo.reset()
     decoder = StaticDecoder(model, prompt.shape[1] + tokens)
-    for _ in range(2):  # compiles, records the CUDA graphs
+    for _ in range(2):  # compiles the step, then the prompt; records the CUDA graphs
         decoder.generate(prompt, tokens, stop_at_eos=False)
     whole = median_wall_s(lambda: decoder.generate(prompt, tokens, stop_at_eos=False), repeats, 0)
     prefill = median_wall_s(lambda: decoder.generate(prompt, 1, stop_at_eos=False), repeats, 0)
+    decoder._compile_prefill = False  # the same decoder's prompt, eagerly
+    eager_prefill = median_wall_s(
+        lambda: decoder.generate(prompt, 1, stop_at_eos=False), repeats, 1
+    )
+    decoder._compile_prefill = True
     step = decoder._compiled_step()
     clock = StepClock(step)
     decoder._step = clock
@@ -89,7 +94,9 @@ def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: 
         decoder._step = step
     return {
         "wall_us": whole / tokens * 1e6,
+        "eager_wall_us": (whole - prefill + eager_prefill) / tokens * 1e6,
         "prefill_ms": prefill * 1e3,
+        "eager_prefill_ms": eager_prefill * 1e3,
         "decode_us": (whole - prefill) / (tokens - 1) * 1e6,
         **clock.summary(),
     }
@@ -98,19 +105,22 @@ def measure(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, repeats: 
 def table(rows: dict[str, dict]) -> list[str]:
     bf16 = rows.get("bf16")
     lines = [
-        "| scheme | wall us/token | vs bf16 | eager prefill ms | decode us/token (prefill "
-        "excluded) | vs bf16 | host us/step | GPU us/step | GPU idle us between steps | "
-        "bound by |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scheme | wall us/token | vs bf16 | compiled prefill ms | eager prefill ms | wall "
+        "vs bf16, eager prefills | decode us/token (prefill excluded) | vs bf16 | host us/step "
+        "| GPU us/step | GPU idle us between steps | bound by |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def ratio(key: str, r: dict) -> str:
+        return f"{bf16[key] / r[key]:.2f}x" if bf16 else "-"
+
     for scheme, r in rows.items():
-        ratio = f"{bf16['wall_us'] / r['wall_us']:.2f}x" if bf16 else "-"
-        decode_ratio = f"{bf16['decode_us'] / r['decode_us']:.2f}x" if bf16 else "-"
         bound = "host" if r["host_us"] > r["gpu_us"] else "GPU"
         lines.append(
-            f"| {scheme} | {r['wall_us']:.0f} | {ratio} | {r['prefill_ms']:.1f} | "
-            f"{r['decode_us']:.0f} | {decode_ratio} | {r['host_us']:.0f} | {r['gpu_us']:.0f} | "
-            f"{r['idle_us']:.0f} | {bound} |"
+            f"| {scheme} | {r['wall_us']:.0f} | {ratio('wall_us', r)} | {r['prefill_ms']:.1f} | "
+            f"{r['eager_prefill_ms']:.1f} | {ratio('eager_wall_us', r)} | "
+            f"{r['decode_us']:.0f} | {ratio('decode_us', r)} | {r['host_us']:.0f} | "
+            f"{r['gpu_us']:.0f} | {r['idle_us']:.0f} | {bound} |"
         )
     return lines
 
@@ -142,8 +152,10 @@ def main(argv: list[str] | None = None) -> str:
             header(
                 f"qlens.StaticDecoder step: host against GPU, {shape.label}",
                 f"{args.decode_tokens} greedy tokens after a {PROMPT_TOKENS}-token prompt; wall: "
-                f"median of {args.repeats} decodes after two compiling ones; eager prefill: "
-                "median wall of calls producing one token; per step: medians "
+                f"median of {args.repeats} decodes after two compiling ones (the prompt "
+                "compiled); compiled and eager prefill: median wall of calls producing one "
+                "token, the same decoder's prompt compiled, then eager (wall with eager "
+                "prefills: the wall less the one, plus the other); per step: medians "
                 "over one more decode, host time of the step call (no sync), GPU time between "
                 "CUDA events recorded around it, GPU idle time between consecutive steps",
                 ["transformers"],

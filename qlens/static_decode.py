@@ -67,13 +67,17 @@ class StaticDecoder:
     With ``compile=True`` (the default) one decode step is compiled with ``torch.compile``
     (``fullgraph=True``; on a GPU with inductor, ``mode="reduce-overhead"``: CUDA graphs) the
     first time a batch size is seen, and later steps replay it; the host checks for the end of
-    every sequence once every ``sync_every`` tokens. The prompt runs eagerly. Hooks active when a
-    step is compiled are part of its graph: patching and steering hooks fire at every token;
-    hooks that store activations need ``compile=False`` (a CUDA graph reuses its outputs'
-    memory). Each hook set, batch size and sampling setting compiles once; returning to one
-    reuses its graph. ``fuse_siblings``: in the compiled step, the one-row quantized linears that
-    read the same row (q/k/v, gate/up) run as one launch (:func:`qlens.fusing_backend`); False
-    gives each its own.
+    every sequence once every ``sync_every`` tokens. With ``compile_prefill`` (the default when
+    compiling) the prompt's forward is compiled too, without CUDA graphs and with the prompt's
+    length dynamic, so one graph serves prompts of every length from two tokens; a one-token
+    prompt, and a batch size's first prompt (it allocates the cache), run eagerly.
+    ``compile_prefill=False`` runs every prompt eagerly and compiles one graph, not two. Hooks
+    active when a step is compiled are part of its graph: patching and steering hooks fire at
+    every token and over the prompt; hooks that store activations need ``compile=False`` (a
+    CUDA graph reuses its outputs' memory). Each hook set, batch size and sampling setting
+    compiles once; returning to one reuses its graph. ``fuse_siblings``: in the compiled step,
+    the one-row quantized linears that read the same row (q/k/v, gate/up) run as one launch
+    (:func:`qlens.fusing_backend`); False gives each its own.
 
     ``generate`` returns what ``model.generate`` returns for the same greedy call (prompt, then
     the new tokens; rows that ended carry ``pad_token_id``; cut after the step where every row
@@ -89,6 +93,7 @@ class StaticDecoder:
         backend: str = "inductor",
         mode: str | None = None,
         fuse_siblings: bool = True,
+        compile_prefill: bool | None = None,
     ) -> None:
         self._bridge = model if isinstance(model, Bridge) else None
         hf_model = model.model if isinstance(model, Bridge) else model
@@ -100,9 +105,12 @@ class StaticDecoder:
             )
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
-        if not compile and (backend != "inductor" or mode is not None or not fuse_siblings):
+        if not compile and (
+            backend != "inductor" or mode is not None or not fuse_siblings or compile_prefill
+        ):
             raise ValueError(
-                "backend, mode and fuse_siblings choose how the step compiles: pass compile=True"
+                "backend, mode, fuse_siblings and compile_prefill choose how the step and the "
+                "prompt compile: pass compile=True"
             )
         if mode is not None and backend != "inductor":
             raise ValueError(f"mode is inductor's; the backend is {backend!r}: leave mode out")
@@ -113,10 +121,13 @@ class StaticDecoder:
         self._backend = backend
         self._mode = mode
         self._fuse_siblings = fuse_siblings
+        self._compile_prefill = compile if compile_prefill is None else compile_prefill
         self._sampling = _Sampling(False, 1.0, None)
         self._state: _DecodeState | None = None
         self._active_hooks = ""  # the names of the bridge hooks the next steps run with
         self._step: Callable[[], None] | None = None
+        self._prefill: Callable[[_DecodeState, Tensor, Tensor], Tensor] | None = None
+        self._recording = False  # generate_with_cache is running
         self._payloads: Signature | None = None  # of the payloads the compiled steps ran on
         self._recorder: DecodeRecorder | None = None
 
@@ -126,7 +137,8 @@ class StaticDecoder:
         else:
             options = [self._backend, *([self._mode] if self._mode else [])]
             options += [] if self._fuse_siblings else ["siblings unfused"]
-            how = f"compiled step ({', '.join(options)})"
+            prompt = "compiled" if self._compile_prefill else "eager"
+            how = f"compiled step ({', '.join(options)}), {prompt} prompt"
         over = "Bridge over " if self._bridge is not None else ""
         batch = "no batch yet" if self._state is None else f"batch {self._state.mask.shape[0]}"
         return (
@@ -169,7 +181,7 @@ class StaticDecoder:
         self._active_hooks = _active_hook_names(self._bridge)
         hooked = self._bridge.hooked_model() if self._bridge else contextlib.nullcontext()
         with hooked:
-            logits = self._forward(state, input_ids.to(state.mask.device), positions)
+            logits = self._prompt_forward(state, input_ids.to(state.mask.device), positions)
             self._commit(state, logits, processed=input_ids.shape[1])
             produced = self._decode(state, 1, min(2, max_new_tokens), sync_every)
             with self._guards_checked_once():
@@ -237,10 +249,15 @@ class StaticDecoder:
         mask = generate_kwargs.pop("attention_mask", None)
         input_ids, mask = self._token_ids(input_ids, mask)
         recorder = self._recorder_for(names, input_ids.shape[0])
-        with bridge.hooks(fwd_hooks=recorder.hooks):
-            tokens = self.generate(
-                input_ids, max_new_tokens, attention_mask=mask, **generate_kwargs
-            )
+        # The prompt runs eagerly: its hooks allocate the recorder's buffers.
+        self._recording = True
+        try:
+            with bridge.hooks(fwd_hooks=recorder.hooks):
+                tokens = self.generate(
+                    input_ids, max_new_tokens, attention_mask=mask, **generate_kwargs
+                )
+        finally:
+            self._recording = False
         activations = recorder.activations(tokens.shape[1] - 1)
         return tokens, ActivationCache(activations, bridge.cfg.n_layers, bridge=bridge)
 
@@ -276,6 +293,7 @@ class StaticDecoder:
         payloads = payload_signature(self.model)
         if self._payloads is not None and payloads != self._payloads:
             torch._dynamo.reset_code(StaticDecoder._decode_step.__code__)
+            torch._dynamo.reset_code(StaticDecoder._prefill_forward.__code__)
         self._payloads = payloads
 
     def _special_ids(
@@ -333,6 +351,34 @@ class StaticDecoder:
             **{self._cache_keyword: state.cache},
         )
         return output.logits[:, -1]
+
+    def _prompt_forward(self, state: _DecodeState, ids: Tensor, positions: Tensor) -> Tensor:
+        """The prompt's last logits: through the compiled prompt forward when there is one,
+        the prompt has two tokens or more and the cache holds its tensors (a static cache
+        allocates them, with addresses the step's CUDA graph keeps, in its first forward),
+        else eagerly; while recording, eagerly too (the hooks allocate the buffers)."""
+        if (
+            not self._compile_prefill
+            or ids.shape[1] < 2
+            or self._recording
+            or not _cache_initialized(state.cache)
+        ):
+            return self._forward(state, ids, positions)
+        if self._prefill is None:
+            self._prefill = torch.compile(
+                self._prefill_forward,
+                backend=self._backend,
+                fullgraph=True,
+                options={"guard_filter_fn": without_payload_tensor_guards(self.model)},
+            )
+        for tensor in (ids, positions):  # one graph for every prompt length
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return self._prefill(state, ids, positions)
+
+    def _prefill_forward(self, state: _DecodeState, ids: Tensor, positions: Tensor) -> Tensor:
+        if self._active_hooks:  # as in _decode_step: one graph per hook set
+            pass
+        return self._forward(state, ids, positions)
 
     def _commit(self, state: _DecodeState, logits: Tensor, processed: int) -> None:
         """Choose each row's next token from its last logits and move the state on past the
@@ -467,6 +513,11 @@ def _active_hook_names(bridge: Bridge | None) -> str:
     if bridge is None:
         return ""
     return ",".join(sorted(name for name, point in bridge.hook_dict.items() if point.is_active))
+
+
+def _cache_initialized(cache: Any) -> bool:
+    """Whether every layer of a transformers static cache has allocated its tensors."""
+    return all(getattr(layer, "is_initialized", True) for layer in getattr(cache, "layers", ()))
 
 
 def _as_list(ids: int | list[int] | Tensor) -> list[int]:

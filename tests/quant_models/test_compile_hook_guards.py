@@ -50,5 +50,6 @@ def test_each_hook_set_compiles_once() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     counts = dict(line.split() for line in run.stdout.splitlines() if line.strip())
-    # Two graphs, with and without the hook, over six calls that switch between them.
-    assert counts == {"model": "2", "decoder": "2", "recording": "2"}, run.stdout
+    # Two graphs, with and without the hook, over six calls that switch between them; the
+    # decoder has two for its step and two for its prompt (recording runs prompts eagerly).
+    assert counts == {"model": "2", "decoder": "4", "recording": "2"}, run.stdout

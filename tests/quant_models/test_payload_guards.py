@@ -92,12 +92,13 @@ def test_the_compiled_step_is_traced_without_the_payloads_tensor_guards(monkeypa
 
     monkeypatch.setattr(static_decode, "without_payload_tensor_guards", recording_filter)
     ids = input_ids(seq=5, batch=1)
-    got = StaticDecoder(model, 16, backend="qlens_counting_eager").generate(
-        ids, 6, stop_at_eos=False
-    )
-    assert torch.equal(got, _hf_greedy(model, ids, 6))
+    decoder = StaticDecoder(model, 16, backend="qlens_counting_eager")
+    for _ in range(2):  # the step compiles in the first call, the prompt in the second
+        got = decoder.generate(ids, 6, stop_at_eos=False)
+        assert torch.equal(got, _hf_greedy(model, ids, 6))
     assert {kind for kind, _ in dropped} == {"TENSOR_MATCH"}
-    assert sorted(i for _, i in dropped) == sorted(id(t) for t in payload_tensors(model))
+    payloads = sorted(id(t) for t in payload_tensors(model))
+    assert sorted(i for _, i in dropped) == sorted(payloads * 2)  # each graph's, once
 
 
 def test_a_payload_changed_in_value_is_read_as_it_is_now_without_recompiling() -> None:
@@ -105,8 +106,9 @@ def test_a_payload_changed_in_value_is_read_as_it_is_now_without_recompiling() -
     linear = next(m for m in model.modules() if isinstance(m, QuantLinear))
     decoder = StaticDecoder(model, 16, backend="qlens_counting_eager")
     ids = input_ids(seq=5, batch=1)
-    before = decoder.generate(ids, 6, stop_at_eos=False)
-    assert torch.equal(before, _hf_greedy(model, ids, 6))
+    for _ in range(2):  # the step compiles, then the prompt
+        before = decoder.generate(ids, 6, stop_at_eos=False)
+        assert torch.equal(before, _hf_greedy(model, ids, 6))
     compiled = _compiled_frames()
     signature = payload_signature(model)
     linear._buffers["weight_scales"] = linear._buffers["weight_scales"] * 64  # another tensor
@@ -129,18 +131,19 @@ def test_the_signature_follows_what_tensor_guards_check() -> None:
     assert payload_signature(model) == signature
 
 
-def test_a_changed_signature_drops_the_compiled_steps(monkeypatch) -> None:
+def test_a_changed_signature_drops_the_compiled_step_and_prompt(monkeypatch) -> None:
     """As when a payload buffer moved to another device on its own (the CPU has one device)."""
     model = quantize(make_model("llama"), "int4")
     decoder = StaticDecoder(model, 16, backend="qlens_counting_eager")
     ids = input_ids(seq=5, batch=1)
-    decoder.generate(ids, 6, stop_at_eos=False)
+    for _ in range(2):  # the step compiles, then the prompt
+        decoder.generate(ids, 6, stop_at_eos=False)
     compiled = _compiled_frames()
     real = static_decode.payload_signature
     moved = ((torch.device("meta"), *real(model)[0][1:]), *real(model)[1:])
     monkeypatch.setattr(static_decode, "payload_signature", lambda module: moved)
     assert torch.equal(decoder.generate(ids, 6, stop_at_eos=False), _hf_greedy(model, ids, 6))
-    assert _compiled_frames() > compiled
+    assert _compiled_frames() == compiled + 2  # the step and the prompt, both dropped
     compiled = _compiled_frames()
     decoder.generate(ids, 6, stop_at_eos=False)
     assert _compiled_frames() == compiled

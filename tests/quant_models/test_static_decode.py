@@ -10,6 +10,7 @@ import torch
 from beartype.roar import BeartypeCallHintViolation
 from jaxtyping import TypeCheckError
 from tiny_models import CONFIGS, HIDDEN, VOCAB, input_ids, make_model
+from torch._dynamo.utils import counters
 
 from qlens.bridge import Bridge
 from qlens.modules.model_quantize import quantize
@@ -21,6 +22,7 @@ STEPS = {"eager step": dict(compile=False), "compiled step": dict(backend="eager
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -52,14 +54,47 @@ def test_greedy_tokens_are_those_of_hf_generate(step: str, sync_every: int) -> N
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_every_family_decodes_compiled_as_hf_generate_does(family: str) -> None:
     """Learned positions (GPT-2), sliding-window configs and attention sinks (GPT-OSS), and the
-    MoE families, with a left-padded row."""
+    MoE families, with a left-padded row; the second prompt (another length) runs compiled."""
     model = make_model(family)
-    ids = input_ids(seq=6, batch=2)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
     decoder = StaticDecoder(model, 16, backend="eager")
-    assert torch.equal(decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0), reference)
+    for seq in (6, 9):
+        ids = input_ids(seq=seq, batch=2, seed=seq)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
+        got = decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0)
+        assert torch.equal(got, reference), seq
+
+
+@pytest.mark.parametrize("scheme", [None, "int4"])
+def test_one_compiled_prompt_serves_every_prompt_length(scheme: str | None) -> None:
+    """The first call's prompt runs eagerly (it allocates the static cache); the next prompts,
+    of any length from two tokens, run through one compiled graph, beside the step's."""
+    model = make_model("llama")
+    if scheme is not None:
+        model = quantize(model, scheme)
+    decoder = StaticDecoder(model, 24, backend="eager")
+    graphs: list[int] = []
+    for seq in (5, 3, 9, 2, 12, 1):
+        ids, mask = input_ids(seq=seq, batch=2, seed=seq), torch.ones(2, seq, dtype=torch.long)
+        mask[0, : seq // 2] = 0  # left padding in one row
+        reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
+        got = decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0)
+        assert torch.equal(got, reference), seq
+        graphs.append(counters["stats"]["unique_graphs"])
+    # The step, then the prompt from the second call on; a one-token prompt runs eagerly.
+    assert graphs == [1, 2, 2, 2, 2, 2]
+
+
+def test_compile_prefill_false_runs_every_prompt_eagerly() -> None:
+    model = make_model("llama")
+    decoder = StaticDecoder(model, 24, backend="eager", compile_prefill=False)
+    for seq in (5, 7):
+        ids = input_ids(seq=seq, batch=1, seed=seq)
+        reference = _hf_greedy(model, ids, torch.ones_like(ids), max_new_tokens=4, pad_token_id=0)
+        assert torch.equal(decoder.generate(ids, 4, pad_token_id=0), reference)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert "eager prompt" in repr(decoder)
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -228,6 +263,8 @@ def test_bad_calls_are_refused_with_what_to_do() -> None:
         decoder.generate(ids, 2, eos_token_id=list(range(9)))
     with pytest.raises(ValueError, match="pass compile=True"):
         StaticDecoder(model, 12, compile=False, backend="eager")
+    with pytest.raises(ValueError, match="compile_prefill .* pass compile=True"):
+        StaticDecoder(model, 12, compile=False, compile_prefill=True)
     with pytest.raises(ValueError, match=r"Linear does not declare support for a static KV cache"):
         StaticDecoder(torch.nn.Linear(VOCAB, VOCAB), 12)
 
@@ -282,7 +319,7 @@ def test_the_repr_says_what_decodes_and_how() -> None:
     decoder = StaticDecoder(Bridge(make_model("llama")), 16, backend="eager")
     assert repr(decoder) == (
         "StaticDecoder(Bridge over LlamaForCausalLM, max_length=16, compiled step (eager), "
-        "no batch yet)"
+        "compiled prompt, no batch yet)"
     )
     decoder.generate(input_ids(seq=4, batch=2), 2)
     assert repr(decoder).endswith("batch 2)")
