@@ -116,12 +116,18 @@ def test_static_decoder_replays_cuda_graphs_with_the_tokens_of_its_eager_step(
     ids = input_ids(batch=2).cuda()
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    eager = StaticDecoder(model, 32, compile=False).generate(ids, 12, attention_mask=mask)
+    reference = StaticDecoder(model, 32, compile=False)
+    eager = {
+        cut: reference.generate(ids[:, cut:], 12, attention_mask=mask[:, cut:]) for cut in (0, 3)
+    }
     decoder = StaticDecoder(model, 32)  # inductor, CUDA graphs
-    for _ in range(2):  # the first call records the graph, the second replays it
-        got = decoder.generate(ids, 12, attention_mask=mask)
-        assert torch.equal(got, eager)
+    # The first call records the step's graph (its prompt eager), the second compiles the
+    # prompt's, the third runs it on a shorter prompt.
+    for cut in (0, 0, 3):
+        got = decoder.generate(ids[:, cut:], 12, attention_mask=mask[:, cut:])
+        assert torch.equal(got, eager[cut]), cut
     assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["stats"]["unique_graphs"] == 2  # the step's and the prompt's
 
 
 def test_static_decoder_records_in_cuda_graphs_what_its_eager_step_records() -> None:
