@@ -371,6 +371,7 @@ class StaticDecoder:
                 fullgraph=True,
                 options={"guard_filter_fn": without_payload_tensor_guards(self.model)},
             )
+        ids = ids.view_as(ids)  # marked below, not the caller's tensor
         for tensor in (ids, positions):  # one graph for every prompt length
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
         return self._prefill(state, ids, positions)
