@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -34,6 +35,7 @@ from qlens.modules.payload_guards import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+logger = logging.getLogger(__name__)
 _MAX_EOS_IDS = 8  # end-of-sequence ids a decoder compares each new token with
 
 
@@ -70,7 +72,8 @@ class StaticDecoder:
     every sequence once every ``sync_every`` tokens. With ``compile_prefill`` (the default when
     compiling) the prompt's forward is compiled too, without CUDA graphs and with the prompt's
     length dynamic, so one graph serves prompts of every length from two tokens; a one-token
-    prompt, and a batch size's first prompt (it allocates the cache), run eagerly.
+    prompt, and a batch size's first prompt (it allocates the cache), run eagerly; a prompt
+    forward dynamo cannot compile logs a warning and runs eagerly from then on.
     ``compile_prefill=False`` runs every prompt eagerly and compiles one graph, not two. Hooks
     active when a step is compiled are part of its graph: patching and steering hooks fire at
     every token and over the prompt; hooks that store activations need ``compile=False`` (a
@@ -374,7 +377,18 @@ class StaticDecoder:
         ids = ids.view_as(ids)  # marked below, not the caller's tensor
         for tensor in (ids, positions):  # one graph for every prompt length
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        return self._prefill(state, ids, positions)
+        try:
+            return self._prefill(state, ids, positions)
+        except torch._dynamo.exc.TorchDynamoException as err:  # raised before the graph runs
+            logger.warning(
+                "StaticDecoder: %s's prompt forward does not compile (%s: %s); its prompts run "
+                "eagerly from now on (compile_prefill=False skips the attempt)",
+                type(self.model).__name__,
+                type(err).__name__,
+                str(err).strip().splitlines()[0] if str(err).strip() else "",
+            )
+            self._compile_prefill, self._prefill = False, None
+            return self._forward(state, ids, positions)
 
     def _prefill_forward(self, state: _DecodeState, ids: Tensor, positions: Tensor) -> Tensor:
         if self._active_hooks:  # as in _decode_step: one graph per hook set

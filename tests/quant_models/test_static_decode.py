@@ -86,6 +86,27 @@ def test_one_compiled_prompt_serves_every_prompt_length(scheme: str | None) -> N
     assert graphs == [1, 2, 2, 2, 2, 2]
 
 
+def test_a_prompt_forward_that_does_not_compile_runs_eagerly_with_a_warning(caplog) -> None:
+    """A hook that breaks the graph over prompts only: the step compiles, the prompt falls back
+    to eager once, says so, and the tokens stay those of the bridge's own generate."""
+    bridge = Bridge(make_model("llama"))
+
+    def breaks_on_prompts(x: torch.Tensor, hook) -> torch.Tensor:
+        if x.shape[1] > 1:
+            torch._dynamo.graph_break()
+        return x + 1.0
+
+    ids = input_ids(seq=5, batch=1)
+    decoder = StaticDecoder(bridge, 24, backend="eager")
+    with bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_post", breaks_on_prompts)]):
+        expected = bridge.generate(ids, 4, stop_at_eos=False)
+        with caplog.at_level("WARNING", logger="qlens.static_decode"):
+            for _ in range(3):
+                assert torch.equal(decoder.generate(ids, 4, stop_at_eos=False), expected)
+    assert caplog.text.count("prompt forward does not compile") == 1
+    assert "eager prompt" in repr(decoder)
+
+
 def test_compile_prefill_false_runs_every_prompt_eagerly() -> None:
     model = make_model("llama")
     decoder = StaticDecoder(model, 24, backend="eager", compile_prefill=False)
@@ -135,13 +156,15 @@ def test_end_of_sequence_defaults_to_the_generation_config() -> None:
     ("family", "scheme"), [("llama", "int4"), ("llama", "nvfp4"), ("qwen3_moe", "mxfp4")]
 )
 def test_a_quantized_model_decodes_compiled_as_hf_generate_does(family: str, scheme: str) -> None:
-    """The CPU runs the ops' torch reference in eager and compiled steps alike: equal tokens."""
+    """The CPU runs the ops' torch reference in eager and compiled steps alike: equal tokens;
+    the second and third prompts run through the compiled prompt graph."""
     model = quantize(make_model(family), scheme)
-    ids = input_ids(seq=6, batch=2)
-    mask = torch.ones_like(ids)
-    reference = _hf_greedy(model, ids, mask, max_new_tokens=8, pad_token_id=0)
-    got = StaticDecoder(model, 16, backend="eager").generate(ids, 8, pad_token_id=0)
-    assert torch.equal(got, reference)
+    decoder = StaticDecoder(model, 24, backend="eager")
+    for seq in (6, 6, 11):
+        ids = input_ids(seq=seq, batch=2)
+        mask = torch.ones_like(ids)
+        reference = _hf_greedy(model, ids, mask, max_new_tokens=8, pad_token_id=0)
+        assert torch.equal(decoder.generate(ids, 8, pad_token_id=0), reference), seq
 
 
 def test_bridge_hooks_fire_in_the_compiled_step_and_a_hook_change_picks_its_graph() -> None:
