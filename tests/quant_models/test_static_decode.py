@@ -66,11 +66,15 @@ def test_every_family_decodes_compiled_as_hf_generate_does(family: str) -> None:
         assert torch.equal(got, reference), seq
 
 
-@pytest.mark.parametrize("scheme", [None, "int4"])
-def test_one_compiled_prompt_serves_every_prompt_length(scheme: str | None) -> None:
+@pytest.mark.parametrize(
+    ("family", "scheme"),
+    [("llama", None), ("llama", "int4"), ("gpt2", None), ("gpt_oss", None),
+     ("mixtral", "int4"), ("qwen3_moe", "mxfp4")],
+)  # fmt: skip
+def test_one_compiled_prompt_serves_every_prompt_length(family: str, scheme: str | None) -> None:
     """The first call's prompt runs eagerly (it allocates the static cache); the next prompts,
     of any length from two tokens, run through one compiled graph, beside the step's."""
-    model = make_model("llama")
+    model = make_model(family)
     if scheme is not None:
         model = quantize(model, scheme)
     decoder = StaticDecoder(model, 24, backend="eager")
