@@ -1,8 +1,8 @@
 """Where a ``qlens.StaticDecoder`` decode's time goes, without ``torch.profiler`` (whose host
-events stretch under it): the prompt's wall time (compiled, the default, and eager), and per decode step the host's time
-to issue it (the Python call returning, no sync), the GPU's time to run it (CUDA events around
-each step: the graph's kernels and the gaps between them) and the GPU's idle time between
-steps, with the wall time per token, bf16 against qlens schemes.
+events stretch under it): the prompt's wall time (compiled, the default, and eager), and per
+decode step the host's time to issue it (the Python call returning, no sync), the GPU's time
+to run it (CUDA events around each step: the graph's kernels and the gaps between them) and
+the GPU's idle time between steps, with the wall time per token, bf16 against qlens schemes.
 
 Run on a CUDA GPU from the repository root:
 ``python benchmarks/static_decode_host.py --size 8b --schemes int4,nvfp4,mxfp4``; prints markdown

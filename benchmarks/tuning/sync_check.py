@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import traceback
 import warnings
 
@@ -20,15 +21,27 @@ from benchmarks._timing import median_wall_s
 from benchmarks.e2e_model import for_each_quantized
 
 
+def _package_dirs() -> tuple[str, ...]:
+    """The directories of the qlens and transformers packages (their parents' paths cut)."""
+    import transformers
+
+    import qlens
+
+    return tuple(os.path.dirname(p.__file__) + os.sep for p in (qlens, transformers))
+
+
 def synchronizing_calls(run) -> collections.Counter:
     """Where ``run`` synchronizes: the innermost qlens or transformers frame of each warning."""
     found: collections.Counter = collections.Counter()
+    packages = _package_dirs()
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         frames = [
-            f"{f.filename.split('site-packages/')[-1].split('/work/')[-1]}:{f.lineno} {f.name}"
+            f"{os.path.relpath(f.filename, os.path.dirname(os.path.dirname(root)))}:{f.lineno} "
+            f"{f.name}"
             for f in traceback.extract_stack()[:-1]
-            if ("qlens" in f.filename or "transformers" in f.filename)
+            for root in packages
+            if f.filename.startswith(root)
         ]
         found[(str(message)[:60], frames[-1] if frames else f"{filename}:{lineno}")] += 1
 
