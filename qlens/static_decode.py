@@ -374,7 +374,9 @@ class StaticDecoder:
                 fullgraph=True,
                 options={"guard_filter_fn": without_payload_tensor_guards(self.model)},
             )
-        ids = ids.view_as(ids)  # marked below, not the caller's tensor
+        # Contiguous (a slice of a longer batch would guard on its strides and recompile),
+        # and a new view: the one marked below, not the caller's tensor.
+        ids = ids.contiguous().view_as(ids)
         for tensor in (ids, positions):  # one graph for every prompt length
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
         try:

@@ -73,7 +73,8 @@ def test_every_family_decodes_compiled_as_hf_generate_does(family: str) -> None:
 )  # fmt: skip
 def test_one_compiled_prompt_serves_every_prompt_length(family: str, scheme: str | None) -> None:
     """The first call's prompt runs eagerly (it allocates the static cache); the next prompts,
-    of any length from two tokens, run through one compiled graph, beside the step's."""
+    of any length from two tokens, contiguous or slices of a longer batch, run through one
+    compiled graph, beside the step's."""
     model = make_model(family)
     if scheme is not None:
         model = quantize(model, scheme)
@@ -81,6 +82,8 @@ def test_one_compiled_prompt_serves_every_prompt_length(family: str, scheme: str
     graphs: list[int] = []
     for seq in (5, 3, 9, 2, 12, 1):
         ids, mask = input_ids(seq=seq, batch=2, seed=seq), torch.ones(2, seq, dtype=torch.long)
+        if seq in (9, 2):  # the last tokens of longer rows: strides of a 16-token batch
+            ids = input_ids(seq=16, batch=2, seed=seq)[:, -seq:]
         mask[0, : seq // 2] = 0  # left padding in one row
         reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
         got = decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0)
