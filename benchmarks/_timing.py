@@ -10,6 +10,7 @@ import itertools
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -138,6 +139,26 @@ def time_eager_loop(call: Callable[[], object], calls: int = 500) -> float:
         call()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_and_wall_us(call: Callable[[], object], calls: int = 500) -> tuple[float, float]:
+    """Median over five rounds of ``calls`` back-to-back calls (after 50 warm-up calls) of
+    (host, wall) microseconds per call: host until the last call returns, without a sync;
+    wall until a sync after them returns."""
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        host.append((issued - start) / calls * 1e6)
+        wall.append((done - start) / calls * 1e6)
+    return statistics.median(host), statistics.median(wall)
 
 
 # What a launch that cannot run raises: a shape or tile the code rejects, a CUDA error, or Triton's

@@ -13,13 +13,10 @@ the dequantize path (decode, then cuBLAS) from the launch tables' threshold on.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _timing import header, publish, seeded_weight
+from _timing import header, host_and_wall_us, publish, seeded_weight
 
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.modules import QuantLinear
@@ -38,24 +35,6 @@ TIMING = (
     f"median of five rounds of {CALLS} back-to-back calls after 50 warm-up calls; host: "
     "perf_counter around the calls without a sync; wall: until a sync after them returns"
 )
-
-
-def host_and_wall_us(call: Callable[[], object]) -> tuple[float, float]:
-    """Median over five rounds of (host, wall) microseconds per call."""
-    for _ in range(50):
-        call()
-    torch.cuda.synchronize()
-    host, wall = [], []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            call()
-        issued = time.perf_counter()
-        torch.cuda.synchronize()
-        done = time.perf_counter()
-        host.append((issued - start) / CALLS * 1e6)
-        wall.append((done - start) / CALLS * 1e6)
-    return statistics.median(host), statistics.median(wall)
 
 
 def main() -> None:

@@ -41,7 +41,10 @@ class LinearConfig:
     ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
     GEMVs honour it too, the word-wise one for a single row only. ``words``: packed 4-bit
     weights in whole int32 words take the word-wise GEMV on the ``"gemv"`` path (``False``
-    runs the byte-wise kernel instead, for comparisons)."""
+    runs the byte-wise kernel instead, for comparisons). ``x_as_is``: that GEMV's rows on
+    tensor cores read ``x`` as the caller holds it and split it by code position in registers
+    (one launch a call) instead of regrouped by a copy before the launch (not yet timed on a
+    GPU: ``benchmarks/tuning/few_rows_as_is.py`` compares the two)."""
 
     path: Path
     block_m: int
@@ -52,6 +55,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     words: bool = True
+    x_as_is: bool = False
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)

@@ -157,7 +157,8 @@ class PackedGemv(PreparedSplitLaunch):
     One row is read by FMAs as the caller holds it, so an eager call is one launch (in CUDA
     graphs too, the row as it is beats it regrouped by code position since the quad tiles:
     ``benchmarks/results/archive/x_as_is_h100.md``). Rows on tensor cores take ``x`` regrouped
-    (``permute_codes``), one copy before the launch.
+    (``permute_codes``), one copy before the launch, or, with ``cfg.x_as_is``, as it is, split
+    by code position in the kernel's registers.
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""
@@ -178,13 +179,14 @@ class PackedGemv(PreparedSplitLaunch):
         if use_dot:
             require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
         split = 1 if experts is not None else cfg.split_k
-        self.m, self.k, self.n, self.for_dot = m, w.k, w.n, use_dot
+        self.m, self.k, self.n = m, w.k, w.n
+        self.regroup = use_dot and not cfg.x_as_is  # rows on tensor cores, regrouped by a copy
         # x, then bias, out, partials and expert ids where the launch reads them
         slots = self._prepare_outputs(m, w.n, dtype, has_bias, split, out_shape, words)
         slots += [8] if experts is not None else []
         device = self.device
         _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
-        if use_dot:
+        if self.regroup:
             stride_xm, stride_xj = regrouped_strides(w.k)
         else:  # x as it is: [m, k] row-major
             stride_xm, stride_xj = w.k, 1
@@ -203,7 +205,8 @@ class PackedGemv(PreparedSplitLaunch):
             HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=has_bias,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
-            USE_DOT=use_dot, X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret,
+            USE_DOT=use_dot, X_AS_IS=not self.regroup, X_DTYPE=_TL_DTYPES[dtype],
+            USE_ASM=not interpret,
             EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -215,7 +218,7 @@ class PackedGemv(PreparedSplitLaunch):
         prepared with, and dtype; expert ids as int32)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        xp = permute_codes(x.reshape(self.m, self.k)) if self.for_dot else x
+        xp = permute_codes(x.reshape(self.m, self.k)) if self.regroup else x
         return self.run(xp, bias, ids)
 
 

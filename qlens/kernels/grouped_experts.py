@@ -102,7 +102,8 @@ def _grouped_experts_kernel(
         acc = dot_k_range(
             acc, x_ptr, data_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, 0, k_full, K,
             M, N, K, stride_xm, stride_xj, stride_d, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, False, X_DTYPE,
+            INTERPRET,
         )  # fmt: skip
     else:
         acc = byte_dot_k_range(

@@ -362,16 +362,43 @@ def quads_k_range(
 
 @triton.jit
 @no_type_check
+def _rows_by_code(x_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K: tl.constexpr,
+                  MASK_K: tl.constexpr):  # fmt: skip
+    """Rows ``offs_m`` of ``x`` over ``[k0, k0 + BLOCK_K)`` as the caller holds them, split
+    by code position in registers: eight ``[BLOCK_M, BLOCK_K / 8]``, the ``j``-th holding
+    ``x[m, k0 + 8 w + j]`` (zero past ``M`` rows and ``K``)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if MASK_K:
+        x = tl.load(ptrs, mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=(offs_m < M)[:, None], other=0.0)
+    rows: tl.constexpr = x.shape[0]
+    WORDS: tl.constexpr = BLOCK_K // 8
+    even, odd = tl.split(tl.reshape(x, (rows, WORDS, 4, 2)))  # j = 2a, 2a + 1
+    e0, e1 = tl.split(tl.reshape(even, (rows, WORDS, 2, 2)))  # j in (0, 4), (2, 6)
+    o0, o1 = tl.split(tl.reshape(odd, (rows, WORDS, 2, 2)))  # j in (1, 5), (3, 7)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+@no_type_check
 def _dot_tile(
     acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N, K,
     stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
-    X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    X_AS_IS: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``acc[m, n] += x[m, k0:k0 + BLOCK_K] @ W[n, k0:k0 + BLOCK_K]`` on tensor cores: one dot
-    per code position ``j`` over the words of the tile; ``x`` comes regrouped in its dtype."""
+    per code position ``j`` over the words of the tile; ``x`` comes regrouped in its dtype, or
+    as the caller holds it (``X_AS_IS``: rows ``stride_xm`` apart, split by code position in
+    registers)."""
     offs_w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
     words = _load_words(words_ptr, offs_n[:, None] * stride_w, (offs_n < N)[:, None], offs_w, K,
                         MASK_K, MASK_N)  # fmt: skip
@@ -379,10 +406,16 @@ def _dot_tile(
                                FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N,
                                BLOCK_K)  # fmt: skip
     state = _code_values(words, FAMILY, USE_ASM)
-    x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
-    x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
+    if X_AS_IS:
+        xs = _rows_by_code(xp_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K, MASK_K)
+    else:
+        x_ptrs = xp_ptr + offs_m[:, None] * stride_xm + offs_w
+        x_mask = (offs_m < M)[:, None] & (offs_w < stride_xj)
     for j in tl.static_range(8):
-        x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0).to(X_DTYPE)
+        if X_AS_IS:
+            x = xs[j].to(X_DTYPE)
+        else:
+            x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0).to(X_DTYPE)
         w = _code(state, zero, j, FAMILY, USE_ASM)
         if FAMILY == INT4_C:
             w = w * scale
@@ -399,8 +432,8 @@ def dot_k_range(
     k_end, M, N, K, stride_xm, stride_xj, stride_w, stride_s,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr, X_DTYPE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, USE_ASM: tl.constexpr,
+    X_AS_IS: tl.constexpr, X_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``_dot_tile`` over ``[k_begin, k_end)``: whole ``BLOCK_K`` steps up to ``k_full``
     unmasked along K, then the masked rest."""
@@ -408,13 +441,14 @@ def dot_k_range(
         acc = _dot_tile(
             acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k0, M, N,
             K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
-            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+            GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, False, MASK_N, USE_ASM, X_AS_IS, X_DTYPE, INTERPRET,
         )  # fmt: skip
     if k_full < k_end:
         acc = _dot_tile(
             acc, xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, offs_m, offs_n, k_full, M,
             N, K, stride_xm, stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0,
-            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_DTYPE, INTERPRET,
+            HAS_ZEROS, GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, True, True, USE_ASM, X_AS_IS, X_DTYPE,
+            INTERPRET,
         )  # fmt: skip
     return acc
 
@@ -428,8 +462,8 @@ def packed_gemv_kernel(
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
+    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_AS_IS: tl.constexpr,
+    X_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BLOCK_N`` output columns of ``BLOCK_M`` rows over one K split, in FMAs
@@ -440,7 +474,7 @@ def packed_gemv_kernel(
     ``ids[m]`` of stacked experts, whose words, scales (and zero points), global scale and bias
     lie ``stride_we``, ``stride_se``, ``stride_ge`` and ``N`` elements apart. FMAs read ``x`` in
     its own layout and dtype, rows ``stride_xm`` apart; dots read it regrouped
-    (``permute_codes``, strides ``stride_xm`` and ``stride_xj``)."""
+    (``permute_codes``, strides ``stride_xm`` and ``stride_xj``), or as it is (``X_AS_IS``)."""
     if EXPERTS:
         expert = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
         words_ptr += expert * stride_we
@@ -460,7 +494,7 @@ def packed_gemv_kernel(
             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xp_ptr, words_ptr, scale_ptr,
             zero_ptr, global_ptr, offs_m, offs_n, k_begin, k_full, k_end, M, N, K, stride_xm,
             stride_xj, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE,
-            BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_DTYPE, INTERPRET,
+            BLOCK_N, BLOCK_K, MASK_N, USE_ASM, X_AS_IS, X_DTYPE, INTERPRET,
         )  # fmt: skip
     else:  # one row as the caller holds it (BLOCK_M == 1)
         total = quads_k_range(

@@ -84,7 +84,7 @@ def packed_siblings_gemv_kernel(
         x_ptr, w, s, z, g, b, out_ptr, out_ptr, out_ptr,
         1, N, K, K, 1, stride_w, stride_s, N, 0, 0, 0, 0,
         FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, HAS_BIAS,
-        1, BLOCK_N, BLOCK_K, False, 1, False, X_DTYPE, USE_ASM, False, INTERPRET,
+        1, BLOCK_N, BLOCK_K, False, 1, False, True, X_DTYPE, USE_ASM, False, INTERPRET,
         LOOP_STAGES,
     )  # fmt: skip
 

@@ -185,6 +185,9 @@ WORD_LAUNCHES = (
     LinearConfig("gemv", 16, 8, 4096, num_warps=4),
     LinearConfig("gemv", 16, 16, 1024, num_warps=1, split_k=2),
     LinearConfig("gemv", 32, 64, 256),  # 32 rows a program (the 17-64-row launch)
+    # rows on tensor cores read as they are, split by code position in registers
+    LinearConfig("gemv", 16, 64, 128, split_k=3, x_as_is=True),
+    LinearConfig("gemv", 32, 64, 256, x_as_is=True),
 )
 
 
@@ -227,6 +230,7 @@ def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
             LinearConfig("gemv", 16, 4, 2048, num_warps=2, num_stages=2),
             LinearConfig("gemv", 16, 8, 1024, num_warps=1, split_k=3, num_stages=4),
             LinearConfig("gemv", 16, 32, 1024),
+            LinearConfig("gemv", 16, 32, 1024, x_as_is=True),
         ):
             if m > FMA_MAX_ROWS and cfg.block_n < 16:
                 continue  # tensor-core dots take no narrow tiles (test_config_validation)

@@ -165,6 +165,31 @@ def test_quads_lead_up_to_triton_3_6_only():
     assert not packed_gemv.quads_lead("4.0.0")
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+def test_rows_read_as_they_are_give_the_regrouped_rows_products(family, monkeypatch):
+    """``x_as_is``: rows on tensor cores split by code position in the kernel's registers,
+    with no copy before the launch, give what the regrouped rows give, bit for bit (the same
+    products, summed in the same order), over K tails (1064 = 8 x 128 + 40), K splits and a
+    partial tile of rows; float32 and bf16 rows."""
+    payload = quantized(40, 1064, family)
+    view = kernel_weight(payload)
+    regrouped: list[int] = []
+    permute = gemv.permute_codes
+    monkeypatch.setattr(gemv, "permute_codes", lambda x: regrouped.append(1) or permute(x))
+    bias = torch.randn(40)
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, split, block_k in ((3, 1, 128), (16, 2, 256), (20, 3, 64)):
+            x = torch.randn(m, 1064).to(dtype)
+            outs = []
+            for as_is in (False, True):
+                cfg = LinearConfig("gemv", 16, 16, block_k, split_k=split, x_as_is=as_is)
+                regrouped.clear()
+                outs.append(gemv.PackedGemv(view, word_view(view), m, dtype, True, cfg)(x, bias))
+                assert len(regrouped) == (0 if as_is else 1)
+            assert torch.equal(outs[0], outs[1]), (dtype, m, split, block_k)
+            assert rel_err(outs[1], _reference(x, payload, bias)) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_packed_gemv_half_activations(dtype):
     payload = quantized(32, 128, ("nvfp4", {}))
