@@ -81,9 +81,11 @@ def test_one_compiled_prompt_serves_every_prompt_length(family: str, scheme: str
     decoder = StaticDecoder(model, 24, backend="eager")
     graphs: list[int] = []
     for seq in (5, 3, 9, 2, 12, 1):
-        ids, mask = input_ids(seq=seq, batch=2, seed=seq), torch.ones(2, seq, dtype=torch.long)
         if seq in (9, 2):  # the last tokens of longer rows: strides of a 16-token batch
             ids = input_ids(seq=16, batch=2, seed=seq)[:, -seq:]
+        else:
+            ids = input_ids(seq=seq, batch=2, seed=seq)
+        mask = torch.ones(2, seq, dtype=torch.long)
         mask[0, : seq // 2] = 0  # left padding in one row
         reference = _hf_greedy(model, ids, mask, max_new_tokens=6, pad_token_id=0)
         got = decoder.generate(ids, 6, attention_mask=mask, pad_token_id=0)
