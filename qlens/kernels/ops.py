@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from qlens.kernels.op_payloads import payload_for_op
+from qlens.kernels.op_payloads import payload_for_op, plan_for_op
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import spec_from_key, split_keys
 
@@ -24,9 +24,7 @@ from qlens.quant.payload_spec import spec_from_key, split_keys
 def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)`` (the module's
     own payload and kept plan when it offered them: ``op_payloads``), as an eager call runs it."""
-    from qlens.kernels.plan import linear
-
-    return linear(x, payload_for_op(spec, tensors), bias)
+    return plan_for_op(spec, tensors, x.device)(x, bias)
 
 
 @linear_op.register_fake
@@ -44,9 +42,7 @@ def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | Non
 def w8a8_linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     """``qlens::linear`` with the activations quantized to FP8 per token and K block first
     (block FP8 weights: ``LinearPlan(w8a8=True)``)."""
-    from qlens.kernels.plan import linear
-
-    return linear(x, payload_for_op(spec, tensors), bias, w8a8=True)
+    return plan_for_op(spec, tensors, x.device, w8a8=True)(x, bias)
 
 
 w8a8_linear_op.register_fake(_linear_fake)
