@@ -5,15 +5,15 @@ torch reference, chosen once per payload and device (``LinearPlan``). ``quantize
 picks a decode (split-K) path for small batches and a GEMM path for large ones;
 ``experts_linear`` runs mixture-of-experts weights grouped by expert; ``reference_linear`` is
 the torch reference for every device. Triton itself is imported only when a kernel runs, so
-the reference works without it. Importing ``qlens.kernels`` registers the ``qlens::`` custom
-ops (``qlens.kernels.ops``) that ``torch.compile`` sees.
+the reference works without it. Importing ``qlens.kernels`` registers the ``qlens::`` ops
+(``qlens.kernels.ops``) that ``torch.compile`` sees.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from qlens.kernels import ops as ops  # registers the qlens:: custom ops
+from qlens.kernels import ops as ops  # registers the qlens:: ops
 from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.dispatch import dequantized_linear, quantized_linear, supports
 from qlens.kernels.experts import experts_linear

@@ -1,10 +1,12 @@
-"""The ``qlens::`` custom ops: quantized linears as single graph nodes for ``torch.compile``.
+"""The ``qlens::`` ops: quantized linears as single graph nodes for ``torch.compile``.
 
 Each op takes only tensors, a payload spec key (``PayloadSpec.key``: format, shape and layout as
 one JSON string) and an optional bias, so a module's forward traces with no graph break. The
 CUDA implementation runs the same dispatcher as an eager call (:func:`qlens.kernels.linear`);
 the CPU implementation is the torch reference. ``torch.compile`` specializes on the spec key
-(a constant), so each quantized layer's format and shape is baked into the graph.
+(a constant), so each quantized layer's format and shape is baked into the graph. The ops are
+defined through ``qlens.kernels.op_library`` (cheap for the host to call); the ``*_op``
+names hold their ``OpOverload`` objects.
 """
 
 # No ``from __future__ import annotations``: the ops' schemas are read from real annotations.
@@ -15,19 +17,20 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from qlens.kernels.op_library import qlens_op
 from qlens.kernels.op_payloads import payload_for_op, plan_for_op
 from qlens.quant.payload import QuantPayload
 from qlens.quant.payload_spec import spec_from_key, split_keys
 
 
-@torch.library.custom_op("qlens::linear", mutates_args=())
-def linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
+@qlens_op("linear")
+def _linear(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     """``x @ W.T + bias`` for the payload ``spec_from_key(spec).build(tensors)`` (the module's
     own payload and kept plan when it offered them: ``op_payloads``), as an eager call runs it."""
     return plan_for_op(spec, tensors, x.device)(x, bias)
 
 
-@linear_op.register_fake
+@_linear.register_fake
 def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     out_features, in_features = spec_from_key(spec).shape
     if x.shape[-1] != in_features:  # checked once, when traced (the modules' compiled forward)
@@ -38,18 +41,18 @@ def _linear_fake(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | Non
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.custom_op("qlens::w8a8_linear", mutates_args=())
-def w8a8_linear_op(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
+@qlens_op("w8a8_linear")
+def _w8a8_linear(x: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None) -> Tensor:
     """``qlens::linear`` with the activations quantized to FP8 per token and K block first
     (block FP8 weights: ``LinearPlan(w8a8=True)``)."""
     return plan_for_op(spec, tensors, x.device, w8a8=True)(x, bias)
 
 
-w8a8_linear_op.register_fake(_linear_fake)
+_w8a8_linear.register_fake(_linear_fake)
 
 
-@torch.library.custom_op("qlens::sibling_linear", mutates_args=())
-def sibling_linear_op(
+@qlens_op("sibling_linear")
+def _sibling_linear(
     x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
 ) -> Tensor:
     """``qlens::linear`` of each payload on the same ``x``, concatenated along the last dim:
@@ -61,7 +64,7 @@ def sibling_linear_op(
     return stacked_linear(x, _op_payloads(specs, tensors), biases)
 
 
-@sibling_linear_op.register_fake
+@_sibling_linear.register_fake
 def _sibling_linear_fake(
     x: Tensor, tensors: list[Tensor], specs: str, biases: list[Tensor | None]
 ) -> Tensor:
@@ -84,14 +87,14 @@ def _op_payloads(specs: str, tensors: Sequence[Tensor]) -> list[QuantPayload]:
     return payloads
 
 
-@torch.library.custom_op("qlens::linear_backward", mutates_args=())
-def linear_backward_op(grad: Tensor, tensors: list[Tensor], spec: str) -> Tensor:
+@qlens_op("linear_backward")
+def _linear_backward(grad: Tensor, tensors: list[Tensor], spec: str) -> Tensor:
     """The input gradient ``grad @ W`` of ``qlens::linear`` (``W`` from the torch dequantize)."""
     weight = _dequantized(spec, tensors, grad.device)
     return (grad.float() @ weight).to(grad.dtype)
 
 
-@linear_backward_op.register_fake
+@_linear_backward.register_fake
 def _linear_backward_fake(grad: Tensor, tensors: list[Tensor], spec: str) -> Tensor:
     return grad.new_empty((*grad.shape[:-1], spec_from_key(spec).shape[1]))
 
@@ -100,20 +103,19 @@ def _linear_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, tensors, spec, bias = inputs
     ctx.spec, ctx.bias_dtype = spec, None if bias is None else bias.dtype
     ctx.save_for_backward(*tensors)
-    ctx.no_grads = [None] * len(tensors)
 
 
-def _linear_backward(ctx, grad):  # type: ignore[no-untyped-def]
+def _linear_grads(ctx, grad):  # type: ignore[no-untyped-def]
     grad_x = torch.ops.qlens.linear_backward(grad, list(ctx.saved_tensors), ctx.spec)
     grad_bias = None
     if ctx.bias_dtype is not None:
         grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
-    return grad_x, ctx.no_grads, None, grad_bias
+    return grad_x, None, None, grad_bias
 
 
-linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+_linear.register_autograd(_linear_grads, setup_context=_linear_setup)
 # The activations' FP8 rounding passes the gradient straight through.
-w8a8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+_w8a8_linear.register_autograd(_linear_grads, setup_context=_linear_setup)
 
 
 def _dequantized(spec: str, tensors: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -122,8 +124,8 @@ def _dequantized(spec: str, tensors: Sequence[Tensor], device: torch.device) -> 
     return dequantize(spec_from_key(spec).build(list(tensors)), torch.float32).to(device)
 
 
-@torch.library.custom_op("qlens::experts_linear", mutates_args=())
-def experts_linear_op(
+@qlens_op("experts_linear")
+def _experts_linear(
     x: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None
 ) -> Tensor:
     """Row ``i`` of ``x`` through expert ``expert_ids[i]`` (in range) of the fused experts
@@ -133,15 +135,15 @@ def experts_linear_op(
     return rows_through_experts(x, payload_for_op(spec, tensors), expert_ids, bias)
 
 
-@experts_linear_op.register_fake
+@_experts_linear.register_fake
 def _experts_linear_fake(
     x: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str, bias: Tensor | None
 ) -> Tensor:
     return x.new_empty((x.shape[0], spec_from_key(spec).shape[1]))
 
 
-@torch.library.custom_op("qlens::experts_linear_backward", mutates_args=())
-def experts_linear_backward_op(
+@qlens_op("experts_linear_backward")
+def _experts_linear_backward(
     grad: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str
 ) -> Tensor:
     """The input gradient of ``qlens::experts_linear``: row ``i`` is ``grad[i] @ W[ids[i]]``."""
@@ -153,7 +155,7 @@ def experts_linear_backward_op(
     return grad_x.to(grad.dtype)
 
 
-@experts_linear_backward_op.register_fake
+@_experts_linear_backward.register_fake
 def _experts_linear_backward_fake(
     grad: Tensor, expert_ids: Tensor, tensors: list[Tensor], spec: str
 ) -> Tensor:
@@ -165,10 +167,9 @@ def _experts_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.spec, ctx.bias_dtype = spec, None if bias is None else bias.dtype
     ctx.num_experts = spec_from_key(spec).shape[0]
     ctx.save_for_backward(expert_ids, *tensors)
-    ctx.no_grads = [None] * len(tensors)
 
 
-def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
+def _experts_grads(ctx, grad):  # type: ignore[no-untyped-def]
     expert_ids, *tensors = ctx.saved_tensors
     grad_x = torch.ops.qlens.experts_linear_backward(grad, expert_ids, tensors, ctx.spec)
     grad_bias = None
@@ -178,10 +179,18 @@ def _experts_backward(ctx, grad):  # type: ignore[no-untyped-def]
             .index_add_(0, expert_ids, grad.float())
             .to(ctx.bias_dtype)
         )
-    return grad_x, None, ctx.no_grads, None, grad_bias
+    return grad_x, None, None, None, grad_bias
 
 
-experts_linear_op.register_autograd(_experts_backward, setup_context=_experts_setup)
+_experts_linear.register_autograd(_experts_grads, setup_context=_experts_setup)
+
+# The ops' OpOverloads: what graphs record and ``torch.library.opcheck`` takes.
+linear_op = _linear.default
+w8a8_linear_op = _w8a8_linear.default
+sibling_linear_op = _sibling_linear.default
+linear_backward_op = _linear_backward.default
+experts_linear_op = _experts_linear.default
+experts_linear_backward_op = _experts_linear_backward.default
 
 
 def compiled_linear(

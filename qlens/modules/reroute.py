@@ -273,7 +273,7 @@ def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
     return payloads
 
 
-# The adopted payloads as the custom ops take them (tensors, spec key), kept on the module by
+# The adopted payloads as the qlens:: ops take them (tensors, spec key), kept on the module by
 # each adoption: what a forward traced by torch.compile reads (the tensors become graph inputs).
 _TRACED = "_qlens_adopted_for_ops"
 OpArguments = tuple[list[Tensor], str, int]  # tensors, spec key, leading size

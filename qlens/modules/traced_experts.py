@@ -5,7 +5,8 @@ experts the fused decode cannot run, trace to one ``qlens::experts_linear`` per 
 the gating and the routes' weighted sum between them as torch ops (inductor fuses those).
 """
 
-# No ``from __future__ import annotations``: the op's schema is read from real annotations.
+# No ``from __future__ import annotations``: the op's schema is read from real annotations
+# (``qlens.kernels.op_library``).
 
 import functools
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from torch import Tensor
 from qlens.kernels.experts import FUSED_EXPERT_ROWS, experts_plan_for
 from qlens.kernels.formats import fused_kernel_formats
 from qlens.kernels.gate_rule import GateRule
+from qlens.kernels.op_library import qlens_op
 from qlens.kernels.op_payloads import payload_for_op
 from qlens.kernels.ops import compiled_experts_linear
 from qlens.modules.dispatch import fused_experts_forward, projection_inputs
@@ -28,8 +30,8 @@ from qlens.quant.payload_spec import spec_from_key
 FUSED_DECODE_DEVICES = frozenset({"cuda"})
 
 
-@torch.library.custom_op("qlens::moe_decode", mutates_args=())
-def moe_decode_op(
+@qlens_op("moe_decode")
+def _moe_decode(
     x: Tensor,
     top_k_index: Tensor,
     top_k_weights: Tensor,
@@ -56,7 +58,7 @@ def moe_decode_op(
     )  # fmt: skip
 
 
-@moe_decode_op.register_fake
+@_moe_decode.register_fake
 def _moe_decode_fake(
     x: Tensor,
     top_k_index: Tensor,
@@ -73,6 +75,9 @@ def _moe_decode_fake(
     limit: float,
 ) -> Tensor:
     return x.new_empty((x.shape[0], spec_from_key(down_spec).shape[1]))
+
+
+moe_decode_op = _moe_decode.default  # the op's OpOverload
 
 
 @functools.cache

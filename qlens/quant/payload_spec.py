@@ -76,7 +76,7 @@ class PayloadSpec:
 
     @functools.cached_property
     def key(self) -> str:
-        """The spec as one JSON string (what the ``qlens::`` custom ops take)."""
+        """The spec as one JSON string (what the ``qlens::`` ops take)."""
         return _compact_json(self.to_json())
 
 
