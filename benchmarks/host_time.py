@@ -7,6 +7,8 @@ the modules' whole forward (``QuantLinear`` and ``QuantExperts`` on one token, t
 forced onto the kernel route the CPU otherwise leaves for the reference) next to ``F.linear``
 on a tiny shape (torch's own dispatch cost on this CPU), and the direct launch of a compiled
 kernel (a stand-in that records the call) through ``FastLaunch.launch`` and a prepared launch.
+Timed last, with grad mode off: ``torch.ops.qlens.linear`` on a QuantLinear's traced tensors,
+what a compiled graph outside CUDA graphs calls for each quantized linear on every forward.
 
 Run: ``TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/host_time.py`` from the repository
 root (``PYTHONPATH`` names the tree whose qlens is timed); prints markdown and, when ``$OUT``
@@ -16,10 +18,12 @@ is set, writes it to ``$OUT/host_time_cpu.md``.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -179,22 +183,25 @@ def _fused_experts(label: str, experts: QuantExperts, *call: torch.Tensor) -> di
     return {label: lambda: experts(*call)}
 
 
+def _direct_launcher(kernel: Any) -> FastLaunch:
+    """A direct launch of a stand-in compiled ``kernel`` (a ``triton.jit`` function)."""
+    from triton.runtime.jit import JITFunction
+
+    launcher = FastLaunch(_CompilingKernel(JITFunction(kernel.fn)))
+    launcher._runtime, launcher._resolved = _Runtime(), True
+    return launcher
+
+
 def _sibling_projections() -> dict[str, object]:
     """q, k and v QuantLinears of an 8B layer (int4, one token) sharing one launch, and each
     launching on its own, through direct launches of stand-in compiled kernels (everything a
     GPU launch does on the host but Triton's C launcher and the driver)."""
-    from triton.runtime.jit import JITFunction
 
     import qlens.kernels.sibling_gemv as sibling_gemv
     from qlens.modules.siblings import SiblingGroup
 
-    for module, name, kernel in (
-        (gemv, "PACKED_GEMV", gemv.packed_gemv_kernel),
-        (sibling_gemv, "_PACKED_SIBLINGS", sibling_gemv.packed_siblings_gemv_kernel),
-    ):
-        launcher = FastLaunch(_CompilingKernel(JITFunction(kernel.fn)))
-        launcher._runtime, launcher._resolved = _Runtime(), True
-        setattr(module, name, launcher)
+    gemv.PACKED_GEMV = _direct_launcher(gemv.packed_gemv_kernel)
+    sibling_gemv._PACKED_SIBLINGS = _direct_launcher(sibling_gemv.packed_siblings_gemv_kernel)
     payloads = [
         quantize_weight(torch.randn(n, 4096), "int4", group_size=128) for n in (4096, 1024, 1024)
     ]
@@ -211,6 +218,51 @@ def _sibling_projections() -> dict[str, object]:
         f"{label}: one shared launch": projections(shared),
         f"{label}: one launch each": projections(alone),
     }
+
+
+def _direct_stand_ins() -> None:
+    """Every launch a linear plan prepares, through direct launches of stand-in compiled
+    kernels, chosen from the H200's launch tables (a prompt's rows take the GPU's launch)."""
+    import qlens.kernels.configs as configs
+    import qlens.kernels.splits as splits
+    import qlens.kernels.weight_only as weight_only
+
+    configs.interpreting = lambda: False  # type: ignore[assignment]
+    configs.gpu_name = lambda device: "NVIDIA H200"  # type: ignore[assignment]
+    configs.sm_count = lambda device: 132  # type: ignore[assignment]
+    gemv.PACKED_GEMV = _direct_launcher(gemv.packed_gemv_kernel)
+    gemv._GEMV = _direct_launcher(gemv._gemv_kernel)
+    splits._REDUCE = _direct_launcher(splits._reduce_splits_kernel)
+    weight_only._WEIGHT_ONLY = _direct_launcher(weight_only._weight_only_kernel)
+
+
+def _linear_op_calls(linear: QuantLinear) -> dict[str, object]:
+    """``torch.ops.qlens.linear.default`` on ``linear``'s traced tensors (its buffers and spec
+    key, as a compiled forward passes them: the module offered its payload), bf16, one row and
+    32 (a prompt), each next to the module's plan called directly (what the op runs, without
+    the dispatcher). The caller keeps ``linear`` alive, as a compiled model does."""
+    from qlens.modules.payload_buffers import traced_payload
+
+    tensors, key = traced_payload(linear._buffers, linear._traced_weight)
+    op = torch.ops.qlens.linear.default
+    shape = f"{linear.out_features} x {linear.in_features}"
+    label = f"torch.ops.qlens.linear, int4 {shape}, bf16, grad mode off, direct launches"
+    calls = {}
+    for rows in (1, 32):
+        x = torch.randn(rows, linear.in_features, dtype=torch.bfloat16)
+        name = f"{label}: {rows} row{'s' * (rows > 1)}"
+        calls[name] = functools.partial(op, x, tensors, key, None)
+        calls[f"{name}, the module's plan called directly"] = functools.partial(
+            linear.linear_plan("weight", x), x, None
+        )
+    return calls
+
+
+def _timed_row(name: str, call: object) -> str:
+    """The table row of ``call``'s time, printed as soon as it is measured."""
+    row = f"| {name} | {_us_per_call(call):.1f} |"
+    print(row, flush=True)
+    return row
 
 
 def main() -> None:
@@ -251,9 +303,11 @@ def main() -> None:
         "| call | us of Python per call |",
         "|---|---|",
     ]
-    for name, call in cases.items():
-        lines.append(f"| {name} | {_us_per_call(call):.1f} |")
-        print(lines[-1], flush=True)
+    lines += [_timed_row(name, call) for name, call in cases.items()]
+    _direct_stand_ins()  # after the rows above: it changes the launch tables and launchers
+    linear = QuantLinear(quantize_weight(torch.randn(14336, 4096), "int4", group_size=128))
+    with torch.no_grad():
+        lines += [_timed_row(name, call) for name, call in _linear_op_calls(linear).items()]
     publish("\n".join(lines), "host_time_cpu.md")
 
 
