@@ -41,10 +41,12 @@ class LinearConfig:
     ``num_stages`` is the software-pipelining depth of the K loop's loads (1: none); the FMA
     GEMVs honour it too, the word-wise one for a single row only. ``words``: packed 4-bit
     weights in whole int32 words take the word-wise GEMV on the ``"gemv"`` path (``False``
-    runs the byte-wise kernel instead, for comparisons). ``x_as_is``: that GEMV's rows on
-    tensor cores read ``x`` as the caller holds it and split it by code position in registers
-    (one launch a call) instead of regrouped by a copy before the launch (not yet timed on a
-    GPU: ``benchmarks/tuning/few_rows_as_is.py`` compares the two)."""
+    runs the byte-wise kernel instead, for comparisons). ``x_as_is``: how that GEMV's rows on
+    tensor cores (2-64) read ``x``: ``True``, as the caller holds it, split by code position in
+    registers (one launch a call); ``False``, regrouped by a copy before the launch (faster on
+    the GPU, one more launch on the host); ``None`` (the default), as it is outside CUDA-graph
+    capture and regrouped while a graph captures (``benchmarks/tuning/results/
+    few_rows_as_is_h100.md``)."""
 
     path: Path
     block_m: int
@@ -55,7 +57,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     words: bool = True
-    x_as_is: bool = False
+    x_as_is: bool | None = None
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)

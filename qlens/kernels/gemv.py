@@ -22,7 +22,7 @@ from torch import Tensor
 from qlens.kernels.code_order import permute_codes, regrouped_strides
 from qlens.kernels.configs import GEMV_MAX_M, LinearConfig, require_tile_sizes
 from qlens.kernels.decode import byte_tile_codes, decode_byte_tile, decode_packed_halves
-from qlens.kernels.fast_launch import FastLaunch
+from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import dot_kernel_args, kernel_args, kernel_constants
 from qlens.kernels.layout_view import FP8_BLOCK
 from qlens.kernels.numerics import fp8_rounded_row
@@ -156,9 +156,11 @@ class PackedGemv(PreparedSplitLaunch):
 
     One row is read by FMAs as the caller holds it, so an eager call is one launch (in CUDA
     graphs too, the row as it is beats it regrouped by code position since the quad tiles:
-    ``benchmarks/results/archive/x_as_is_h100.md``). Rows on tensor cores take ``x`` regrouped
-    (``permute_codes``), one copy before the launch, or, with ``cfg.x_as_is``, as it is, split
-    by code position in the kernel's registers.
+    ``benchmarks/results/archive/x_as_is_h100.md``). Rows on tensor cores are read as
+    ``cfg.x_as_is`` says: as they are, split by code position in the kernel's registers (one
+    launch: what host-bound eager calls want), or regrouped by a copy before the launch (less
+    GPU time: what CUDA graphs want); by default as they are, but regrouped while a CUDA graph
+    captures and on the first call (which compiles that launch before any capture needs it).
 
     ``experts``: row ``i`` multiplies expert ``ids[i]`` of experts stacked at these strides
     (the ids come with each call)."""
@@ -180,36 +182,43 @@ class PackedGemv(PreparedSplitLaunch):
             require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
         split = 1 if experts is not None else cfg.split_k
         self.m, self.k, self.n = m, w.k, w.n
-        self.regroup = use_dot and not cfg.x_as_is  # rows on tensor cores, regrouped by a copy
         # x, then bias, out, partials and expert ids where the launch reads them
         slots = self._prepare_outputs(m, w.n, dtype, has_bias, split, out_shape, words)
         slots += [8] if experts is not None else []
-        device = self.device
-        _, scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)
-        if self.regroup:
-            stride_xm, stride_xj = regrouped_strides(w.k)
-        else:  # x as it is: [m, k] row-major
-            stride_xm, stride_xj = w.k, 1
+        scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)[1:]
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
-        args = (
-            slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
-            m, w.n, w.k, stride_xm, stride_xj, words.stride(0), scales.stride(0), w.n,
-            m * w.n if split > 1 else 0,
-            *((0, 0, 0) if experts is None else (experts.data, experts.scales,
-                                                 experts.global_scale)),
-        )  # fmt: skip
         interpret = interpreting()
-        self.launch = PACKED_GEMV.prepare(
-            (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split), args, slots, device,
-            FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
-            HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide, HAS_BIAS=has_bias,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
-            USE_DOT=use_dot, X_AS_IS=not self.regroup, X_DTYPE=_TL_DTYPES[dtype],
-            USE_ASM=not interpret,
-            EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+
+        def prepare(regrouped: bool) -> PreparedLaunch:
+            stride_xm, stride_xj = regrouped_strides(w.k) if regrouped else (w.k, 1)
+            args = (
+                slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
+                m, w.n, w.k, stride_xm, stride_xj, words.stride(0), scales.stride(0), w.n,
+                m * w.n if split > 1 else 0,
+                *((0, 0, 0) if experts is None else (experts.data, experts.scales,
+                                                     experts.global_scale)),
+            )  # fmt: skip
+            return PACKED_GEMV.prepare(
+                (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split), args, slots,
+                self.device, FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
+                HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide,
+                HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+                USE_DOT=use_dot, X_AS_IS=not regrouped, X_DTYPE=_TL_DTYPES[dtype],
+                USE_ASM=not interpret,
+                EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+
+        # Rows on tensor cores: the launch on regrouped rows, when any call takes it.
+        self.regrouped: PreparedLaunch | None = None
+        if use_dot and cfg.x_as_is is not True:
+            self.regrouped = prepare(regrouped=True)
+        # The launch on rows as they are, when any call takes it.
+        self.launch = self.regrouped if use_dot and cfg.x_as_is is False else prepare(False)
+        self._by_capture = use_dot and cfg.x_as_is is None  # regrouped while graphs capture
+        self._capturing = capture_query(self.device)
+        self._regrouped_ran = False
 
     def __call__(
         self, x: Float[Tensor, "*rows k"], bias: Tensor | None, ids: Tensor | None = None
@@ -218,8 +227,25 @@ class PackedGemv(PreparedSplitLaunch):
         prepared with, and dtype; expert ids as int32)."""
         if not x.is_contiguous():
             x = x.contiguous()
-        xp = permute_codes(x.reshape(self.m, self.k)) if self.regroup else x
-        return self.run(xp, bias, ids)
+        regrouped = self.regrouped
+        if regrouped is not None and (
+            not self._by_capture or not self._regrouped_ran or self._capturing()
+        ):
+            self._regrouped_ran = True
+            return self.run(permute_codes(x.reshape(self.m, self.k)), bias, ids, regrouped)
+        return self.run(x, bias, ids)
+
+
+def _never() -> bool:
+    return False
+
+
+def capture_query(device: torch.device) -> Callable[[], bool]:
+    """A call telling whether the current CUDA stream is capturing a graph (always False where
+    none can: the CPU, the interpreter)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _never
+    return torch.cuda.is_current_stream_capturing
 
 
 def fp8_rounding_refusal(w: KernelWeight, cfg: LinearConfig) -> str | None:

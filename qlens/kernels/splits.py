@@ -168,9 +168,16 @@ class PreparedSplitLaunch:
         """``x @ W.T + bias`` (``x``: the prepared rows, leading shape and dtype)."""
         return self.run(x if x.is_contiguous() else x.contiguous(), bias)
 
-    def run(self, x: Tensor, bias: Tensor | None, ids: Tensor | None = None) -> Tensor:
-        """Launch on the kernel-ready rows ``x`` (then the bias, the output, the partials and
-        the expert ids where the launch reads them) and return the output."""
+    def run(
+        self,
+        x: Tensor,
+        bias: Tensor | None,
+        ids: Tensor | None = None,
+        launch: PreparedLaunch | None = None,
+    ) -> Tensor:
+        """Launch ``launch`` (by default the prepared one) on the kernel-ready rows ``x`` (then
+        the bias, the output, the partials and the expert ids where the launch reads them) and
+        return the output."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         tensors = [x, bias, out] if self.has_bias else [x, out]
         if self.partials_shape is not None:
@@ -178,7 +185,7 @@ class PreparedSplitLaunch:
             tensors.append(partials)
         if ids is not None:
             tensors.append(ids)
-        self.launch(*tensors)
+        (launch or self.launch)(*tensors)
         if self.reduce is not None:
             if bias is not None:
                 self.reduce(partials, bias, out)

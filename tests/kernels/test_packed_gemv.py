@@ -190,6 +190,38 @@ def test_rows_read_as_they_are_give_the_regrouped_rows_products(family, monkeypa
             assert rel_err(outs[1], _reference(x, payload, bias)) < TOLERANCE[dtype]
 
 
+def test_rows_are_read_as_they_are_except_first_and_while_a_graph_captures(monkeypatch):
+    """The default (``x_as_is=None``): tensor-core rows regrouped in the first call (it
+    compiles the launch a CUDA graph would capture) and while the stream captures, read as
+    they are otherwise; one row is always read as it is. Every way gives the same output."""
+    payload = quantized(40, 256, ("int4", {"group_size": 64}))
+    view = kernel_weight(payload)
+    regrouped: list[int] = []
+    permute = gemv.permute_codes
+    monkeypatch.setattr(gemv, "permute_codes", lambda x: regrouped.append(1) or permute(x))
+    capturing = [False]
+    monkeypatch.setattr(gemv, "capture_query", lambda device: lambda: capturing[0])
+    cfg = LinearConfig("gemv", 16, 16, 64, split_k=2)
+    assert cfg.x_as_is is None
+    x = torch.randn(5, 256)
+    launch = gemv.PackedGemv(view, word_view(view), 5, torch.float32, False, cfg)
+    first = launch(x, None)
+    assert regrouped == [1]
+    assert rel_err(first, _reference(x, payload)) < TOLERANCE[torch.float32]
+    taken = []
+    for capture in (False, False, True, False):
+        capturing[0] = capture
+        regrouped.clear()
+        assert torch.equal(launch(x, None), first)
+        taken.append(len(regrouped))
+    assert taken == [0, 0, 1, 0]
+    one_row = gemv.PackedGemv(view, word_view(view), 1, torch.float32, False, cfg)
+    regrouped.clear()
+    capturing[0] = True
+    one_row(x[:1], None)
+    assert regrouped == []
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_packed_gemv_half_activations(dtype):
     payload = quantized(32, 128, ("nvfp4", {}))

@@ -359,7 +359,11 @@ def test_a_new_row_count_or_dtype_prepares_one_more_launch(counts: Counts, monke
         before = direct.normal
         first = module(x)
         assert direct.normal == before + 1
-        assert torch.equal(module(x), first) and direct.normal == before + 1
+        # Rows on tensor cores: regrouped in the first call (compiling the launch CUDA graphs
+        # capture), as they are from the second on (its own compile), direct after that.
+        compiles = 1 if rows == 1 else 2
+        for _ in range(2):
+            assert torch.equal(module(x), first) and direct.normal == before + compiles
     module(torch.randn(3, 96).bfloat16())
     assert counts.snapshot()[1:] == (1, 2, 1)  # one check, one launch choice per row count
 
