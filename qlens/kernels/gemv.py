@@ -211,11 +211,13 @@ class PackedGemv(PreparedSplitLaunch):
             )  # fmt: skip
 
         # Rows on tensor cores: the launch on regrouped rows, when any call takes it.
-        self.regrouped: PreparedLaunch | None = None
-        if use_dot and cfg.x_as_is is not True:
-            self.regrouped = prepare(regrouped=True)
+        regrouped = prepare(regrouped=True) if use_dot and cfg.x_as_is is not True else None
+        self.regrouped = regrouped
         # The launch on rows as they are, when any call takes it.
-        self.launch = self.regrouped if use_dot and cfg.x_as_is is False else prepare(False)
+        if regrouped is not None and cfg.x_as_is is False:
+            self.launch = regrouped
+        else:
+            self.launch = prepare(regrouped=False)
         self._by_capture = use_dot and cfg.x_as_is is None  # regrouped while graphs capture
         self._capturing = capture_query(self.device)
         self._regrouped_ran = False
