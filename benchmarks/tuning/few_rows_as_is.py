@@ -1,6 +1,8 @@
-"""Few-row packed 4-bit calls with the rows read as they are (``LinearConfig.x_as_is``: split by
-code position in the kernel's registers, one launch a call) against the rows regrouped by a
-copy before the launch (the default): per 8B decode layer, and in whole 32-token forwards.
+"""Few-row packed 4-bit calls with the rows read as they are (``LinearConfig.x_as_is=True``: split
+by code position in the kernel's registers, one launch a call) against the rows regrouped by a
+copy before the launch (``False``; the default, ``None``, takes the first outside CUDA-graph
+capture and the second while a graph captures): per 8B decode layer, and in whole 32-token
+forwards.
 
 Per layer and row count (the dispatcher's own launch for those rows, only ``x_as_is`` changed):
 host and wall microseconds of back-to-back eager calls, the GPU time of a call in a CUDA graph
