@@ -28,7 +28,7 @@ from qlens.kernels.layout_view import FP8_BLOCK
 from qlens.kernels.numerics import fp8_rounded_row
 from qlens.kernels.packed_gemv import packed_gemv_kernel
 from qlens.kernels.packed_words import ExpertRows, ExpertStrides, word_view
-from qlens.kernels.runtime import interpreting
+from qlens.kernels.runtime import capturing_cuda_graph, interpreting
 from qlens.kernels.splits import PreparedSplitLaunch, store_tile
 from qlens.kernels.weight_only import PreparedWeightOnly
 from qlens.kernels.weights import KernelWeight
@@ -219,7 +219,6 @@ class PackedGemv(PreparedSplitLaunch):
         else:
             self.launch = prepare(regrouped=False)
         self._by_capture = use_dot and cfg.x_as_is is None  # regrouped while graphs capture
-        self._capturing = capture_query(self.device)
         self._regrouped_ran = False
 
     def __call__(
@@ -231,23 +230,11 @@ class PackedGemv(PreparedSplitLaunch):
             x = x.contiguous()
         regrouped = self.regrouped
         if regrouped is not None and (
-            not self._by_capture or not self._regrouped_ran or self._capturing()
+            not self._by_capture or not self._regrouped_ran or capturing_cuda_graph(self.device)
         ):
             self._regrouped_ran = True
             return self.run(permute_codes(x.reshape(self.m, self.k)), bias, ids, regrouped)
         return self.run(x, bias, ids)
-
-
-def _never() -> bool:
-    return False
-
-
-def capture_query(device: torch.device) -> Callable[[], bool]:
-    """A call telling whether the current CUDA stream is capturing a graph (always False where
-    none can: the CPU, the interpreter)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return _never
-    return torch.cuda.is_current_stream_capturing
 
 
 def fp8_rounding_refusal(w: KernelWeight, cfg: LinearConfig) -> str | None:

@@ -200,7 +200,7 @@ def test_rows_are_read_as_they_are_except_first_and_while_a_graph_captures(monke
     permute = gemv.permute_codes
     monkeypatch.setattr(gemv, "permute_codes", lambda x: regrouped.append(1) or permute(x))
     capturing = [False]
-    monkeypatch.setattr(gemv, "capture_query", lambda device: lambda: capturing[0])
+    monkeypatch.setattr(gemv, "capturing_cuda_graph", lambda device: capturing[0])
     cfg = LinearConfig("gemv", 16, 16, 64, split_k=2)
     assert cfg.x_as_is is None
     x = torch.randn(5, 256)
