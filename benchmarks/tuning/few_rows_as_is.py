@@ -2,17 +2,19 @@
 by code position in the kernel's registers, one launch a call) against the rows regrouped by a
 copy before the launch (``False``; the default, ``None``, takes the first outside CUDA-graph
 capture and the second while a graph captures): per 8B decode layer, and in whole 32-token
-forwards.
+forwards. ``--toggle split_sum`` compares K splits summed in the kernel (``split_sum=True``, the
+default) with a second, reducing launch instead, the rows read as the default says.
 
-Per layer and row count (the dispatcher's own launch for those rows, only ``x_as_is`` changed):
-host and wall microseconds of back-to-back eager calls, the GPU time of a call in a CUDA graph
-(the weight copies together larger than L2), and whether both give the same output bit for bit.
-Whole models: the wall time of an eager 32-token forward of the 1B and 8B shapes, bf16 and each
-scheme both ways, the rows' reading switched for every quantized linear at once.
+Per layer and row count (the dispatcher's own launch for those rows, only the toggled field
+changed): host and wall microseconds of back-to-back eager calls, the GPU time of a call in a
+CUDA graph (the weight copies together larger than L2), and whether both give the same output
+bit for bit. Whole models: the wall time of an eager 32-token forward of the 1B and 8B shapes,
+bf16 and each scheme both ways, the field switched for every quantized linear at once.
 
 Run on a CUDA GPU from the repository root:
-``python -m benchmarks.tuning.few_rows_as_is [--schemes int4,nvfp4,mxfp4] [--rows 2,8,16,32,64]``;
-prints markdown (and writes it to ``$OUT/few_rows_as_is_<gpu>.md`` when ``$OUT`` is set)."""
+``python -m benchmarks.tuning.few_rows_as_is [--toggle x_as_is|split_sum]
+[--schemes int4,nvfp4,mxfp4] [--rows 2,8,16,32,64]``; prints markdown (and writes it to
+``$OUT/few_rows_as_is.md`` or ``$OUT/few_rows_split_sum.md`` when ``$OUT`` is set)."""
 
 from __future__ import annotations
 
@@ -41,26 +43,33 @@ LAYERS = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))
 OPTIONS = {"int4": {"group_size": 128}, "nvfp4": {}, "mxfp4": {}}
 
 
+# Each toggle's field, and the names of its off and on states.
+TOGGLES = {
+    "x_as_is": ("regrouped", "as is"),
+    "split_sum": ("reducing launch", "summed in kernel"),
+}
+
+
 @contextlib.contextmanager
-def rows_as_is(on: bool) -> Iterator[None]:
-    """Every plan built meanwhile chooses its launches with ``x_as_is=on`` (plans keep their
+def switched(field: str, on: bool) -> Iterator[None]:
+    """Every plan built meanwhile chooses its launches with ``field=on`` (plans keep their
     launches: build the model's plans inside, or clear them)."""
     import qlens.kernels.plan as plan
 
     chosen = plan._weight_config
 
-    def with_rows(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        return dataclasses.replace(chosen(*args, **kwargs), x_as_is=on)
+    def with_field(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return dataclasses.replace(chosen(*args, **kwargs), **{field: on})
 
-    plan._weight_config = with_rows
+    plan._weight_config = with_field
     try:
         yield
     finally:
         plan._weight_config = chosen
 
 
-def layer_rows(schemes: list[str], rows: list[int]) -> list[str]:
-    """Markdown rows: each layer, scheme and row count, regrouped against as is."""
+def layer_rows(field: str, schemes: list[str], rows: list[int]) -> list[str]:
+    """Markdown rows: each layer, scheme and row count, ``field`` off against on."""
     from qlens.kernels.dispatch import default_config
     from qlens.quant.quantize import quantize_weight
 
@@ -75,8 +84,8 @@ def layer_rows(schemes: list[str], rows: list[int]) -> list[str]:
                     continue  # not the packed GEMV's rows
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 (h0, w0, g0, out0), (h1, w1, g1, out1) = (
-                    _layer_cells(payload, x, dataclasses.replace(base, x_as_is=as_is))
-                    for as_is in (False, True)
+                    _layer_cells(payload, x, dataclasses.replace(base, **{field: on}))
+                    for on in (False, True)
                 )
                 lines.append(
                     f"| {n} x {k} | {scheme} | {m} | {h0:.1f} | {h1:.1f} | {w0:.1f} | {w1:.1f} | "
@@ -99,12 +108,12 @@ def _layer_cells(
     return host, wall, graph, quantized_linear(x, payload, config=cfg)
 
 
-def model_rows(schemes: list[str], sizes: list[str], tokens: int) -> list[str]:
+def model_rows(field: str, schemes: list[str], sizes: list[str], tokens: int) -> list[str]:
     """Markdown rows: the eager forward of ``tokens`` tokens, bf16 and each scheme both ways."""
-    return [line for size in sizes for line in _model_size(size, schemes, tokens)]
+    return [line for size in sizes for line in _model_size(field, size, schemes, tokens)]
 
 
-def _model_size(size: str, schemes: list[str], tokens: int) -> list[str]:
+def _model_size(field: str, size: str, schemes: list[str], tokens: int) -> list[str]:
     device = torch.device("cuda")
     shape = shapes(False, None)[size]
     base = build_model(shape, device)
@@ -117,8 +126,8 @@ def _model_size(size: str, schemes: list[str], tokens: int) -> list[str]:
 
     def run(scheme: str, model: torch.nn.Module) -> None:
         walls = []
-        for as_is in (False, True):
-            with rows_as_is(as_is), torch.no_grad():
+        for on in (False, True):
+            with switched(field, on), torch.no_grad():
                 for module in model.modules():  # plans choose again, with the new rule
                     if hasattr(module, "forget_prepared"):
                         module.forget_prepared()
@@ -135,6 +144,7 @@ def _model_size(size: str, schemes: list[str], tokens: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--toggle", choices=tuple(TOGGLES), default="x_as_is")
     parser.add_argument("--schemes", default="int4,nvfp4,mxfp4")
     parser.add_argument("--rows", default="2,8,16,32,64")
     parser.add_argument("--sizes", default="1b,8b")
@@ -142,30 +152,33 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    schemes = args.schemes.split(",")
+    schemes, field = args.schemes.split(","), args.toggle
+    off, on = TOGGLES[field]
     layers = [
-        "| layer (N x K) | scheme | rows | host us, regrouped | host us, as is | wall us, "
-        "regrouped | wall us, as is | graph us, regrouped | graph us, as is | graph speed-up "
-        "as is | same output |",
+        f"| layer (N x K) | scheme | rows | host us, {off} | host us, {on} | wall us, {off} | "
+        f"wall us, {on} | graph us, {off} | graph us, {on} | graph speed-up, {on} | "
+        "same output |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        *layer_rows(schemes, [int(r) for r in args.rows.split(",")]),
+        *layer_rows(field, schemes, [int(r) for r in args.rows.split(",")]),
     ]
     models = [
-        f"| shape | model | {args.tokens}-token forward ms, regrouped | as is | vs bf16, "
-        "regrouped | vs bf16, as is |",
+        f"| shape | model | {args.tokens}-token forward ms, {off} | {on} | vs bf16, {off} | "
+        f"vs bf16, {on} |",
         "|---|---|---|---|---|---|",
-        *model_rows(schemes, args.sizes.split(","), args.tokens),
+        *model_rows(field, schemes, args.sizes.split(","), args.tokens),
     ]
     timing = (
-        "layers: the dispatcher's launch for the rows with only x_as_is changed; host and "
+        f"layers: the dispatcher's launch for the rows with only {field} changed; host and "
         "wall: median of five rounds of 500 back-to-back eager calls (host without a sync); "
         "graph: median CUDA-graph replay of weight copies together larger than L2, per call. "
         "Models: random-weight Llamas, qlens.quantize, median wall of 20 eager forwards after 3"
     )
-    text = "\n".join(
-        [header("Few-row packed 4-bit calls: rows read as they are", timing), *layers, "", *models]
-    )
-    publish(text, "few_rows_as_is.md")
+    title = {
+        "x_as_is": "Few-row packed 4-bit calls: rows read as they are",
+        "split_sum": "Few-row packed 4-bit calls: K splits summed in the kernel",
+    }[field]
+    text = "\n".join([header(title, timing), *layers, "", *models])
+    publish(text, "few_rows_as_is.md" if field == "x_as_is" else f"few_rows_{field}.md")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ class LinearConfig:
     registers (one launch a call); ``False``, regrouped by a copy before the launch (faster on
     the GPU, one more launch on the host); ``None`` (the default), as it is outside CUDA-graph
     capture and regrouped while a graph captures (``benchmarks/tuning/results/
-    few_rows_as_is_h100.md``)."""
+    few_rows_as_is_h100.md``). ``split_sum``: that GEMV's tensor-core launches split along K
+    sum their partials in the kernel, the last program of each tile (one launch a call), not
+    in a second, reducing launch (the default until GPU timings decide:
+    ``python -m benchmarks.tuning.few_rows_as_is --toggle split_sum``)."""
 
     path: Path
     block_m: int
@@ -58,6 +61,7 @@ class LinearConfig:
     num_stages: int = 3
     words: bool = True
     x_as_is: bool | None = None
+    split_sum: bool = False
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)

@@ -182,9 +182,15 @@ class PackedGemv(PreparedSplitLaunch):
             require_tile_sizes(block_n=cfg.block_n)  # tensor-core dots need 16 columns or more
         split = 1 if experts is not None else cfg.split_k
         self.m, self.k, self.n = m, w.k, w.n
-        # x, then bias, out, partials and expert ids where the launch reads them
-        slots = self._prepare_outputs(m, w.n, dtype, has_bias, split, out_shape, words)
+        grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
+        # Rows on tensor cores may sum their K splits in the kernel: one launch a call.
+        summed = use_dot and split > 1 and cfg.split_sum
+        # x, then bias, out, partials, expert ids and tile counters where the launch reads them
+        slots = self._prepare_outputs(
+            m, w.n, dtype, has_bias, split, out_shape, words, grid[0] * grid[1] if summed else 0
+        )
         slots += [8] if experts is not None else []
+        slots += [9] if summed else []
         scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)[1:]
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
         interpret = interpreting()
@@ -192,18 +198,18 @@ class PackedGemv(PreparedSplitLaunch):
         def prepare(regrouped: bool) -> PreparedLaunch:
             stride_xm, stride_xj = regrouped_strides(w.k) if regrouped else (w.k, 1)
             args = (
-                slot, words, scales, zeros, global_scale, slot, slot, slot, slot,
+                slot, words, scales, zeros, global_scale, slot, slot, slot, slot, slot,
                 m, w.n, w.k, stride_xm, stride_xj, words.stride(0), scales.stride(0), w.n,
                 m * w.n if split > 1 else 0,
                 *((0, 0, 0) if experts is None else (experts.data, experts.scales,
                                                      experts.global_scale)),
             )  # fmt: skip
             return PACKED_GEMV.prepare(
-                (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split), args, slots,
+                grid, args, slots,
                 self.device, FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
                 HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide,
                 HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split,
+                MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split, SPLIT_SUM=summed,
                 USE_DOT=use_dot, X_AS_IS=not regrouped, X_DTYPE=_TL_DTYPES[dtype],
                 USE_ASM=not interpret,
                 EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,

@@ -37,7 +37,7 @@ from qlens.kernels.decode import (
     _tile_groups,
     scale_values,
 )
-from qlens.kernels.splits import store_tile
+from qlens.kernels.splits import store_tile, sum_tile_splits
 from qlens.kernels.weight_only import _dot_acc
 
 # Per register pair p (codes p and p + 4 of a word): left shifts (negative: right) that move the
@@ -457,12 +457,13 @@ def dot_k_range(
 @no_type_check
 def packed_gemv_kernel(
     xp_ptr, words_ptr, scale_ptr, zero_ptr, global_ptr, bias_ptr, out_ptr, partial_ptr, ids_ptr,
-    M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
+    counter_ptr, M, N, K, stride_xm, stride_xj, stride_w, stride_s, stride_om, stride_split,
     stride_we, stride_se, stride_ge,
     FAMILY: tl.constexpr, GROUP_K: tl.constexpr, SCALE_E8M0: tl.constexpr,
     HAS_ZEROS: tl.constexpr, GLOBAL_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, X_AS_IS: tl.constexpr,
+    MASK_N: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_SUM: tl.constexpr, USE_DOT: tl.constexpr,
+    X_AS_IS: tl.constexpr,
     X_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, EXPERTS: tl.constexpr, INTERPRET: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -502,5 +503,9 @@ def packed_gemv_kernel(
             k_end, N, K, stride_xm, stride_w, stride_s, FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS,
             GLOBAL_DIVIDE, BLOCK_N, BLOCK_K, MASK_N, USE_ASM, LOOP_STAGES,
         )[None, :]  # fmt: skip
-    store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
-               stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    if SPLIT_SUM:  # the tile's last split sums the partials (counters at counter_ptr)
+        sum_tile_splits(total, out_ptr, partial_ptr, counter_ptr, bias_ptr, offs_m, offs_n, M, N,
+                        stride_om, stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    else:
+        store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                   stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip

@@ -67,3 +67,11 @@ def _cuda_name(index: int) -> str:
 def capturing_cuda_graph(device: torch.device) -> bool:
     """Whether the current stream of ``device`` (a CUDA device) is capturing a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def current_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current stream (a CUDA device; 0 elsewhere), without building
+    a ``torch.cuda.Stream``."""
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(cuda_index(device))

@@ -81,10 +81,10 @@ def packed_siblings_gemv_kernel(
         w0, s0, z0, g0, b0, w1, s1, z1, g1, b1, w2, s2, z2, g2, b2,
     )  # fmt: skip
     packed_gemv_kernel(
-        x_ptr, w, s, z, g, b, out_ptr, out_ptr, out_ptr,
+        x_ptr, w, s, z, g, b, out_ptr, out_ptr, out_ptr, out_ptr,
         1, N, K, K, 1, stride_w, stride_s, N, 0, 0, 0, 0,
         FAMILY, GROUP_K, SCALE_E8M0, HAS_ZEROS, GLOBAL_DIVIDE, HAS_BIAS,
-        1, BLOCK_N, BLOCK_K, False, 1, False, True, X_DTYPE, USE_ASM, False, INTERPRET,
+        1, BLOCK_N, BLOCK_K, False, 1, False, False, True, X_DTYPE, USE_ASM, False, INTERPRET,
         LOOP_STAGES,
     )  # fmt: skip
 

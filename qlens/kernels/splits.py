@@ -1,10 +1,21 @@
-"""Output of a K-split launch: each program stores a float32 partial of its K range, and a second
-launch sums the partials in split order (deterministic), adds the bias and casts.
+"""Output of a K-split launch: each program stores a float32 partial of its K range, and the
+partials are summed in split order (deterministic), the bias added and the result cast, either
+by a second launch (``reduce_splits``) or, in the packed GEMV's launches on tensor cores when
+``LinearConfig.split_sum`` asks (not by default until GPU timings decide), by the last program
+of each output tile (``sum_tile_splits``: one launch a call).
 
-Summing in the kernel instead (the last program of each tile, found with an int32 arrival
-counter) was measured on the H200 and dropped: at most 5% faster on the M = 16 launches, up to
-15% slower on the one-row GEMVs, whose many small programs each waited on an atomic
-(``benchmarks/results/decode_splits_h200.md``).
+In the kernel: every program stores its partial, then bumps its tile's int32 arrival counter
+(an acquire-release ``atomic_add`` at GPU scope, after a CTA barrier so that every thread's
+stores come before it). The program that arrives last sums the tile's partials in split order,
+finishes the tile as the reducing launch would (bit for bit) and sets the counter back to zero,
+so counters are zero between launches. One buffer of counters is kept per device and stream
+(``split_counters``) and shared by the launches there, which the stream serializes. A buffer
+first needed while a CUDA graph captures is zeroed by a captured memset and kept by that graph
+only. Two launches of one kept buffer may therefore not overlap: only a graph replayed on
+another stream than it was captured on, while that stream runs qlens calls, could do that.
+Summing in the kernel costs a one-row GEMV's many small programs more than the launch it
+saves (``benchmarks/tuning/results/decode_splits_h200.md``, earlier run), so one-row GEMVs and
+the byte-wise kernels keep the reducing launch (one-row GEMVs no longer split K).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from torch import Tensor
 from qlens.kernels.fast_launch import FastLaunch, PreparedLaunch
 from qlens.kernels.launch import on_device
 from qlens.kernels.numerics import cast_out
-from qlens.kernels.runtime import interpreting
+from qlens.kernels.runtime import capturing_cuda_graph, current_stream, interpreting
 from qlens.quant.codecs.checks import ceil_div
 
 
@@ -42,6 +53,32 @@ def store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stri
         tl.store(out_ptr + tile, cast_out(total, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
     else:
         tl.store(partial_ptr + pid_k * stride_split + tile, total, mask=mask)
+
+
+@triton.jit
+@no_type_check
+def sum_tile_splits(total, out_ptr, partial_ptr, counter_ptr, bias_ptr, offs_m, offs_n, M, N,
+                    stride_om, stride_split, pid_k, HAS_BIAS: tl.constexpr,
+                    SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """``store_tile`` of split ``pid_k``'s partial, then, in the tile's last program to arrive
+    (counted at ``counter_ptr``, one int32 per program of the launch's first two grid axes),
+    the split-order sum of the tile's partials, finished as ``store_tile`` finishes an unsplit
+    tile; that program resets the counter to zero."""
+    store_tile(total, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+               stride_split, pid_k, HAS_BIAS, SPLIT_K, INTERPRET)  # fmt: skip
+    tl.debug_barrier()  # every thread's partial is stored before the tile counts the arrival
+    tile = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        at = offs_m[:, None] * stride_om + offs_n[None, :]
+        acc = tl.zeros_like(total)
+        for s in tl.static_range(SPLIT_K):  # other SMs wrote them: read through L2
+            acc += tl.load(partial_ptr + s * stride_split + at, mask=mask, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+        store_tile(acc, out_ptr, partial_ptr, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                   stride_split, pid_k, HAS_BIAS, 1, INTERPRET)  # fmt: skip
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -129,10 +166,12 @@ def split_target(out: Float[Tensor, "m n"], split: int) -> SplitTarget:
 class PreparedSplitLaunch:
     """What the prepared launches of split-K kernels share (the GEMVs, the weight-only
     kernel): the output (and, when K is split, the float32 partials) allocated per call, the
-    prepared launch, then the split reduction."""
+    prepared launch, then the split reduction, unless the launch sums its splits itself
+    (``counters``: the tile counters it needs, 0 for none)."""
 
     launch: PreparedLaunch
     reduce: PreparedLaunch | None
+    counters: int
     out_shape: tuple[int, ...]
     partials_shape: tuple[int, ...] | None
     dtype: torch.dtype
@@ -148,17 +187,23 @@ class PreparedSplitLaunch:
         split: int,
         out_shape: tuple[int, ...] | None,
         placeholder: Tensor,
+        summed_tiles: int = 0,
     ) -> list[int]:
         """Set the output (``out_shape``, default ``[m, n]``, of ``dtype``), the partials of a
-        launch split ``split`` ways and their prepared reduction, on ``placeholder``'s device
-        (it stands for the reduction's per-call tensors). Returns the launch's slots: ``x``
-        (argument 0), then the bias (5), the output (6) and the partials (7) where it reads them."""
+        launch split ``split`` ways and their prepared reduction, or, when the launch sums
+        its ``summed_tiles`` tiles' splits itself (``sum_tile_splits``), its counters; on
+        ``placeholder``'s device (it stands for the reduction's per-call tensors). Returns the
+        launch's slots: ``x`` (argument 0), then the bias (5), the output (6) and the partials
+        (7) where it reads them."""
         device = placeholder.device
         self.out_shape, self.dtype, self.device = out_shape or (m, n), dtype, device
         self.has_bias = has_bias
         self.partials_shape = (split, m, n) if split > 1 else None
+        self.counters = summed_tiles if split > 1 else 0
         self.reduce = (
-            prepared_reduce(split, m, n, has_bias, device, placeholder) if split > 1 else None
+            prepared_reduce(split, m, n, has_bias, device, placeholder)
+            if split > 1 and not summed_tiles
+            else None
         )
         return [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
 
@@ -176,8 +221,8 @@ class PreparedSplitLaunch:
         launch: PreparedLaunch | None = None,
     ) -> Tensor:
         """Launch ``launch`` (by default the prepared one) on the kernel-ready rows ``x`` (then
-        the bias, the output, the partials and the expert ids where the launch reads them) and
-        return the output."""
+        the bias, the output, the partials, the expert ids and the tile counters where the
+        launch reads them) and return the output."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         tensors = [x, bias, out] if self.has_bias else [x, out]
         if self.partials_shape is not None:
@@ -185,6 +230,8 @@ class PreparedSplitLaunch:
             tensors.append(partials)
         if ids is not None:
             tensors.append(ids)
+        if self.counters:
+            tensors.append(split_counters(self.device, self.counters))
         (launch or self.launch)(*tensors)
         if self.reduce is not None:
             if bias is not None:
@@ -192,3 +239,22 @@ class PreparedSplitLaunch:
             else:
                 self.reduce(partials, out)
         return out
+
+
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+_MIN_COUNTERS = 1024
+
+
+def split_counters(device: torch.device, count: int) -> Tensor:
+    """At least ``count`` zeroed int32 tile counters for a launch on ``device``'s current
+    stream (see the module's docstring): kept per device and stream, the launches leaving them
+    zero; while a CUDA graph captures and none large enough is kept, a fresh buffer that the
+    graph alone keeps."""
+    key = (device, current_stream(device))
+    kept = _COUNTERS.get(key)
+    if kept is not None and kept.numel() >= count:
+        return kept
+    fresh = torch.zeros(max(_MIN_COUNTERS, count), dtype=torch.int32, device=device)
+    if not capturing_cuda_graph(device):
+        _COUNTERS[key] = fresh
+    return fresh

@@ -46,7 +46,7 @@ def compile_recorded(case):
         results.append({"case": case, "kernel": kernel.__name__,
                         "use_dot": launch.get("USE_DOT"), "use_asm": launch.get("USE_ASM"),
                         "round_x": launch.get("ROUND_X"), "decoded": launch.get("DECODED"),
-                        "x_as_is": launch.get("X_AS_IS"),
+                        "x_as_is": launch.get("X_AS_IS"), "split_sum": launch.get("SPLIT_SUM"),
                         **usage})
     recorded.clear()
 
@@ -66,6 +66,15 @@ for scheme, options, _, _ in CASES[:3]:
     for rows in (16, 32):
         kernels(torch.randn(rows, 4096, dtype=torch.bfloat16))
         compile_recorded(f"{scheme} {rows} rows as is")
+# K splits summed in the kernel (LinearConfig.split_sum), rows regrouped and as they are
+for as_is in (False, True):
+    plan._weight_config = lambda *a, as_is=as_is, **k: dataclasses.replace(
+        chosen(*a, **k), x_as_is=as_is, split_sum=True)
+    for scheme, options, _, _ in CASES[:3]:
+        payload = quantize_weight(torch.randn(4096, 4096), scheme, **options)
+        kernels = plan.LinearPlan(payload, torch.device("cpu"), route="kernel")
+        kernels(torch.randn(16, 4096, dtype=torch.bfloat16))
+        compile_recorded(f"{scheme} 16 rows{' as is' if as_is else ''}, summed")
 plan._weight_config = chosen
 from qlens.kernels.fp8_w8a8 import fp8_rounded_rows
 fp8_rounded_rows(torch.randn(8, 4096, dtype=torch.bfloat16), 128)
@@ -134,6 +143,15 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
         f"{scheme} {rows} rows as is": ("packed_gemv_kernel", True, True)
         for scheme in ("int4", "mxfp4", "nvfp4")
         for rows in (16, 32)
+    }
+    summed: dict[str, list[tuple[str, bool]]] = {}
+    for r in results:
+        if r["case"].endswith("summed"):
+            summed.setdefault(r["case"], []).append((r["kernel"], r["split_sum"]))
+    assert summed == {  # one launch: no reducing launch after the split GEMV
+        f"{scheme} 16 rows{as_is}, summed": [("packed_gemv_kernel", True)]
+        for scheme in ("int4", "mxfp4", "nvfp4")
+        for as_is in ("", " as is")
     }
     regrouped = [r for r in results if r["case"] in ("int4 16 rows", "nvfp4 16 rows")]
     assert {(r["kernel"], r["x_as_is"]) for r in regrouped if r["use_dot"]} == {

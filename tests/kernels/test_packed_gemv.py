@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import quantized, rel_err
 
-from qlens.kernels import LinearConfig, gemv, packed_gemv, quantized_linear
+from qlens.kernels import LinearConfig, gemv, packed_gemv, quantized_linear, splits
 from qlens.kernels.code_order import permute_codes
 from qlens.kernels.dispatch import default_config
 from qlens.kernels.gemv import word_view
@@ -188,6 +188,98 @@ def test_rows_read_as_they_are_give_the_regrouped_rows_products(family, monkeypa
                 assert len(regrouped) == (0 if as_is else 1)
             assert torch.equal(outs[0], outs[1]), (dtype, m, split, block_k)
             assert rel_err(outs[1], _reference(x, payload, bias)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda c: c[0] + "-" + "-".join(map(str, c[1])))
+def test_k_splits_summed_in_the_kernel_give_the_reducing_launchs_output(family, monkeypatch):
+    """``split_sum``: tensor-core launches split along K sum their partials in the kernel (the
+    last program of each tile, in split order), bit for bit as the reducing launch does, in
+    one launch a call, and leave their tile counters at zero; rows as they are and
+    regrouped, bias or none, a partial tile of rows, float32 and bf16."""
+    payload = quantized(40, 1064, family)
+    view = kernel_weight(payload)
+    launched: list[str] = []
+    for name in ("PACKED_GEMV",):
+        launcher = getattr(gemv, name)
+        monkeypatch.setattr(launcher, "launch", _counting(launcher.launch, launched, name))
+    reduce = splits._REDUCE
+    monkeypatch.setattr(reduce, "launch", _counting(reduce.launch, launched, "reduce"))
+    prepared_call = splits.PreparedLaunch.__call__
+    monkeypatch.setattr(
+        splits.PreparedLaunch,
+        "__call__",
+        lambda self, *t: launched.append(self.launcher.kernel.__name__) or prepared_call(self, *t),
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, split, as_is, bias in ((16, 2, True, None), (20, 3, False, torch.randn(40))):
+            x = torch.randn(m, 1064).to(dtype)
+            outs = {}
+            for summed in (False, True):
+                cfg = LinearConfig(
+                    "gemv", 16, 16, 64, split_k=split, x_as_is=as_is, split_sum=summed
+                )
+                launch = gemv.PackedGemv(view, word_view(view), m, dtype, bias is not None, cfg)
+                assert (launch.reduce is None) == summed and bool(launch.counters) == summed
+                launched.clear()
+                outs[summed] = launch(x, bias)
+                kernels = ["packed_gemv_kernel"] + ([] if summed else ["_reduce_splits_kernel"])
+                assert launched == kernels, (summed, launched)
+            assert torch.equal(outs[True], outs[False]), (dtype, m, split, as_is)
+            assert rel_err(outs[True], _reference(x, payload, bias)) < TOLERANCE[dtype]
+    counters = splits.split_counters(torch.device("cpu"), 1)
+    assert counters.dtype == torch.int32 and not counters.any()
+
+
+def test_one_row_and_unsplit_launches_keep_no_tile_counters():
+    """Only tensor-core launches split along K count their tiles (and only when ``split_sum``
+    asks, not by default): one row (FMAs) and unsplit launches have no counters, and an
+    unsplit launch no reduction either."""
+    assert LinearConfig("gemv", 16, 16, 64).split_sum is False
+    view = kernel_weight(quantized(40, 256, ("int4", {"group_size": 64})))
+    split = LinearConfig("gemv", 16, 16, 64, split_k=2, split_sum=True)
+    unsplit = LinearConfig("gemv", 16, 16, 64, split_sum=True)
+    for m, cfg, counters, reduce in (
+        (1, split, 0, True),
+        (5, unsplit, 0, False),
+        (5, split, 3, False),
+    ):
+        launch = gemv.PackedGemv(view, word_view(view), m, torch.float32, False, cfg)
+        assert launch.counters == counters and (launch.reduce is not None) == reduce, (m, cfg)
+
+
+def test_tile_counters_are_kept_per_device_and_stream_except_while_a_graph_captures(
+    monkeypatch,
+):
+    """``split_counters`` keeps one zeroed buffer per device and stream (grown as launches need
+    more); while a CUDA graph captures it hands out a fresh buffer that it does not keep."""
+    monkeypatch.setattr(splits, "_COUNTERS", {})
+    stream = [7]
+    monkeypatch.setattr(splits, "current_stream", lambda device: stream[0])
+    capturing = [False]
+    monkeypatch.setattr(splits, "capturing_cuda_graph", lambda device: capturing[0])
+    cpu = torch.device("cpu")
+    first = splits.split_counters(cpu, 10)
+    assert first.numel() >= 10 and not first.any()
+    assert splits.split_counters(cpu, 10) is first
+    stream[0] = 8
+    other_stream = splits.split_counters(cpu, 10)
+    assert other_stream is not first
+    larger = splits.split_counters(cpu, first.numel() + 1)
+    assert larger.numel() > first.numel() and splits.split_counters(cpu, 2) is larger
+    capturing[0] = True
+    stream[0] = 9
+    captured = splits.split_counters(cpu, 10)
+    assert splits.split_counters(cpu, 10) is not captured  # never kept
+    capturing[0] = False
+    assert splits.split_counters(cpu, 10) is not captured
+
+
+def _counting(launch, launched: list[str], name: str):
+    def counted(*args, **kwargs):
+        launched.append(name)
+        return launch(*args, **kwargs)
+
+    return counted
 
 
 def test_rows_are_read_as_they_are_except_first_and_while_a_graph_captures(monkeypatch):
