@@ -214,6 +214,44 @@ def test_word_gemv_matches_reference_on_gpu(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
+def test_k_splits_summed_in_the_kernel_on_gpu_eagerly_and_in_cuda_graphs(case):
+    """``split_sum=True``: the tile counters' acquire-release handshake on real SMs gives the
+    reducing launch's output bit for bit, in back-to-back eager calls (counters reused, left
+    at zero) and in replays of a CUDA graph captured after eager calls on another stream (its
+    own counters, zeroed by a captured memset)."""
+    import dataclasses
+
+    from qlens.kernels import splits
+
+    p = quantized(1000, 4096, case).to("cuda")
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    for m in (2, 16, 32):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        for as_is in (True, False):
+            base = LinearConfig("gemv", 16 if m <= 16 else 32, 64, 256, split_k=4, x_as_is=as_is)
+            summed = dataclasses.replace(base, split_sum=True)
+            expected = quantized_linear(x, p, bias, config=base)
+            eager = [quantized_linear(x, p, bias, config=summed) for _ in range(4)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                quantized_linear(x, p, bias, config=summed)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = quantized_linear(x, p, bias, config=summed)
+            replays = []
+            for _ in range(3):
+                graph.replay()
+                replays.append(captured.clone())
+            for out in (*eager, *replays, quantized_linear(x, p, bias, config=summed)):
+                assert torch.equal(out, expected), (m, as_is)
+    kept = splits.split_counters(torch.device("cuda"), 1)
+    torch.cuda.synchronize()
+    assert not kept.any()
+
+
+@pytest.mark.parametrize("case", PACKED_4BIT, ids=scheme_id)
 def test_word_gemv_long_rows_on_gpu(case, monkeypatch):
     """Several full K tiles and a ragged tail (K = 2 * 4096 + 256) on the one-row layouts."""
     from qlens.kernels.gemv import FMA_MAX_ROWS
