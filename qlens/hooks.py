@@ -7,6 +7,7 @@ dtype). Forward hooks see activations; backward hooks see the gradient of the ac
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -18,15 +19,24 @@ HookFn = Callable[[Tensor, "HookPoint"], "Tensor | None"]
 class HookHandle:
     """Removes one hook function from its HookPoint; removing twice is harmless."""
 
-    def __init__(self, point: HookPoint, fn: HookFn, direction: str) -> None:
+    def __init__(
+        self, point: HookPoint, fn: HookFn, direction: str, is_permanent: bool = False
+    ) -> None:
         self.point = point
         self.fn = fn
         self.direction = direction
+        self.is_permanent = is_permanent
 
     def remove(self) -> None:
         hooks = self.point.fwd_hooks if self.direction == "fwd" else self.point.bwd_hooks
-        if self.fn in hooks:
-            hooks.remove(self.fn)
+        if self.fn not in hooks:
+            return
+        hooks.remove(self.fn)
+        key = (self.direction, id(self.fn))
+        if self.is_permanent and self.point.permanent[key] > 0:
+            self.point.permanent[key] -= 1
+            if not self.point.permanent[key]:
+                del self.point.permanent[key]
 
     def __enter__(self) -> HookHandle:
         return self
@@ -46,6 +56,9 @@ class HookPoint:
         self.name = name
         self.fwd_hooks: list[HookFn] = []
         self.bwd_hooks: list[HookFn] = []
+        # how many times each hook function (direction, id) was added as one that resetting
+        # keeps unless asked not to
+        self.permanent: Counter[tuple[str, int]] = Counter()
         self.ctx: dict[str, object] = {}
         self.fired = False  # whether it ran since the owner last reset it
 
@@ -66,28 +79,45 @@ class HookPoint:
     def is_active(self) -> bool:
         return bool(self.fwd_hooks or self.bwd_hooks)
 
-    def add_hook(self, fn: HookFn, dir: str = "fwd") -> HookHandle:
-        """Register ``fn(tensor, hook)`` for ``dir`` 'fwd' or 'bwd'; the handle's ``remove()``
-        unregisters it."""
+    def add_hook(
+        self, fn: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False
+    ) -> HookHandle:
+        """Register ``fn(tensor, hook)`` for ``dir`` 'fwd' or 'bwd', after the hooks already
+        there (``prepend=True``: before them); the handle's ``remove()`` unregisters it. A
+        permanent hook stays through ``remove_hooks`` unless ``including_permanent``."""
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} must be callable, got {type(fn).__name__}")
-        if dir == "fwd":
-            self.fwd_hooks.append(fn)
-        elif dir == "bwd":
-            self.bwd_hooks.append(fn)
-        else:
+        if dir not in ("fwd", "bwd"):
             raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r}")
-        return HookHandle(self, fn, dir)
+        hooks = self.fwd_hooks if dir == "fwd" else self.bwd_hooks
+        hooks.insert(0, fn) if prepend else hooks.append(fn)
+        if is_permanent:
+            self.permanent[dir, id(fn)] += 1
+        return HookHandle(self, fn, dir, is_permanent)
 
-    def remove_hooks(self, dir: str = "both") -> None:
-        """Drop all hook functions in one direction ('fwd', 'bwd' or 'both'); clear the context."""
+    def remove_hooks(
+        self, dir: str = "both", including_permanent: bool = False, clear_context: bool = True
+    ) -> None:
+        """Drop the hook functions of one direction ('fwd', 'bwd' or 'both'), the permanent
+        ones too when ``including_permanent``; clear the context unless ``clear_context`` is
+        False."""
         if dir not in ("fwd", "bwd", "both"):
             raise ValueError(f"hook direction must be 'fwd', 'bwd' or 'both', got {dir!r}")
-        if dir in ("fwd", "both"):
-            self.fwd_hooks.clear()
-        if dir in ("bwd", "both"):
-            self.bwd_hooks.clear()
-        self.ctx.clear()
+        for direction, hooks in (("fwd", self.fwd_hooks), ("bwd", self.bwd_hooks)):
+            if dir not in (direction, "both"):
+                continue
+            if including_permanent:
+                for fn in hooks:
+                    self.permanent.pop((direction, id(fn)), None)
+            left = Counter({key: n for key, n in self.permanent.items() if key[0] == direction})
+            kept = []
+            for fn in hooks:  # as many of each function as were added permanent
+                if left[direction, id(fn)] > 0:
+                    left[direction, id(fn)] -= 1
+                    kept.append(fn)
+            hooks[:] = kept
+        if clear_context:
+            self.ctx.clear()
 
     def forward(self, x: Tensor) -> Tensor:
         self.fired = True  # written, never read here: a compiled forward does not guard on it

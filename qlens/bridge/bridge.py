@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -187,14 +187,34 @@ class Bridge(HookSwitches, ModelAPI):
         name_or_filter: str | Callable[[str], bool],
         fn: HookFn,
         dir: str = "fwd",
+        is_permanent: bool = False,
+        prepend: bool = False,
     ) -> list[HookHandle]:
-        """Attach ``fn(tensor, hook)`` to every matching hook point until removed or reset."""
-        return [self.hook_dict[n].add_hook(fn, dir=dir) for n in self._names_for(name_or_filter)]
+        """Attach ``fn(tensor, hook)`` to every matching hook point until removed or reset
+        (``is_permanent``: until a reset ``including_permanent``; ``prepend``: before the
+        point's other hooks)."""
+        return [
+            self.hook_dict[n].add_hook(fn, dir=dir, is_permanent=is_permanent, prepend=prepend)
+            for n in self._names_for(name_or_filter)
+        ]
 
-    def reset_hooks(self) -> None:
-        """Remove every hook function from every hook point."""
+    def add_perma_hook(
+        self, name_or_filter: str | Callable[[str], bool], fn: HookFn, dir: str = "fwd"
+    ) -> list[HookHandle]:
+        """``add_hook(..., is_permanent=True)``: a hook that ``reset_hooks()`` keeps."""
+        return self.add_hook(name_or_filter, fn, dir=dir, is_permanent=True)
+
+    def reset_hooks(
+        self,
+        clear_contexts: bool = True,
+        direction: Literal["fwd", "bwd", "both"] = "both",
+        including_permanent: bool = False,
+    ) -> None:
+        """Remove the hook functions of ``direction`` from every hook point, but permanent ones
+        unless ``including_permanent``; clear the points' contexts unless ``clear_contexts``
+        is False (TransformerLens' signature, without its context levels)."""
         for point in self.hook_dict.values():
-            point.remove_hooks()
+            point.remove_hooks(direction, including_permanent, clear_context=clear_contexts)
 
     def _add_hooks(
         self,
@@ -487,6 +507,28 @@ class Bridge(HookSwitches, ModelAPI):
         return loss if return_type == "loss" else (out, loss)
 
     __call__ = forward
+
+    def loss_fn(
+        self,
+        logits: Float[Tensor, "batch pos d_vocab"],
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+        per_token: bool = False,
+    ) -> Float[Tensor, "*batch_pos_minus_1"]:
+        """The next-token loss of ``logits`` on ``tokens``, as ``forward(return_type="loss")``
+        computes it: the mean over predictions whose token and target ``attention_mask`` keeps
+        (all without a mask), or each prediction's ``[batch pos-1]`` (0 where masked)."""
+        if tokens.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} must be the logits' [batch pos] "
+                f"{tuple(logits.shape[:-1])}"
+            )
+        if attention_mask is not None and attention_mask.shape != tokens.shape:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} must have the tokens' shape "
+                f"{tuple(tokens.shape)}"
+            )
+        return lm_loss(logits, tokens, attention_mask, per_token=per_token)
 
     def run_with_hooks(
         self,

@@ -69,6 +69,7 @@ class BridgeConfig:
     default_prepend_bos: bool = True
     default_padding_side: Literal["left", "right"] = "right"
     original_architecture: str | None = None  # the HF class, e.g. "LlamaForCausalLM"
+    model_name: str | None = None  # the checkpoint's name, its hub id's or folder's last part
     tokenizer_prepends_bos: bool | None = None  # None: no tokenizer
     attn_only: bool = False
     use_attn_result: bool = False
@@ -205,4 +206,13 @@ def build_config(hf_config: Any, adapter: Adapter, n_layers: int, eps: float) ->
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         default_prepend_bos=adapter.default_prepend_bos,
         original_architecture=(getattr(hf_config, "architectures", None) or [None])[0],
+        model_name=_model_name(hf_config),
     )
+
+
+def _model_name(hf_config: Any) -> str | None:
+    """The checkpoint's short name, as TransformerLens' ``cfg.model_name``: the last part of
+    the hub id or folder it was loaded from (``HuggingFaceTB/SmolLM2-135M`` -> ``SmolLM2-135M``),
+    None for a model built from a config."""
+    source = str(getattr(hf_config, "name_or_path", "") or "").rstrip("/\\")
+    return source.replace("\\", "/").rsplit("/", 1)[-1] or None

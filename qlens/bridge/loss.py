@@ -21,5 +21,5 @@ def lm_loss(
     nll = -log_probs.gather(-1, tokens[:, 1:, None].to(logits.device))[..., 0]
     if mask is None:
         return nll if per_token else nll.mean()
-    keep = (mask[:, 1:] * mask[:, :-1]).to(nll.dtype)
+    keep = (mask[:, 1:] * mask[:, :-1]).to(device=nll.device, dtype=nll.dtype)
     return nll * keep if per_token else (nll * keep).sum() / keep.sum()

@@ -36,6 +36,14 @@ def tokenizer_prepends_bos(tokenizer: Any) -> bool | None:
     return bos is not None and len(ids) > 0 and ids[0] == bos
 
 
+class HeadLabels(list[str]):
+    """The heads' labels: a list, as TransformerLens 4's ``all_head_labels`` property gives,
+    that also answers a call, as ``HookedTransformer.all_head_labels()`` did."""
+
+    def __call__(self) -> list[str]:
+        return list(self)
+
+
 class ModelAPI:
     """Mixin for :class:`qlens.bridge.Bridge`; needs ``model``, ``cfg``, ``hook_dict``..."""
 
@@ -273,6 +281,18 @@ class ModelAPI:
                 "tokenizes to a single token (mind a leading space)"
             )
         return int(tokens.item())
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The string of one token id."""
+        if isinstance(int_token, bool) or not isinstance(int_token, int):
+            raise TypeError(f"to_single_str_token takes one token id (an int), got {int_token!r}")
+        return str(self.to_str_tokens(torch.tensor([int_token]))[0])
+
+    @property
+    def all_head_labels(self) -> HeadLabels:
+        """``L{layer}H{head}`` for every attention head, layer by layer."""
+        heads = range(self.cfg.n_heads)
+        return HeadLabels(f"L{layer}H{h}" for layer in range(self.cfg.n_layers) for h in heads)
 
     def get_token_position(
         self,

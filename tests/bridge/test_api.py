@@ -123,6 +123,29 @@ def test_add_hook_persists_until_reset() -> None:
     assert _no_torch_hooks(bridge.model)
 
 
+def test_permanent_hooks_survive_reset_hooks_unless_asked() -> None:
+    """TransformerLens' ``reset_hooks(including_permanent=...)``, ``add_perma_hook`` and
+    ``add_hook(is_permanent=True)``: a plain reset keeps permanent hooks, which keep firing."""
+    bridge = Bridge(tiny_model("llama"))
+    calls: list[str] = []
+    bridge.add_perma_hook("blocks.0.hook_resid_post", lambda x, hook: calls.append("perma"))
+    bridge.add_hook("blocks.1.hook_resid_post", lambda x, hook: calls.append("fleeting"))
+    bridge.reset_hooks()
+    bridge(TOKENS)
+    assert calls == ["perma"]
+    bridge.add_hook("hook_embed", lambda x, hook: calls.append("bwd"), "bwd", is_permanent=True)
+    bridge.reset_hooks(direction="fwd", including_permanent=True)
+    assert (
+        bridge.hook_dict["hook_embed"].bwd_hooks
+        and not bridge.hook_dict["blocks.0.hook_resid_post"].is_active
+    )
+    bridge.reset_hooks(including_permanent=True)
+    calls.clear()
+    bridge(TOKENS)
+    assert calls == [] and not any(p.is_active for p in bridge.hook_dict.values())
+    assert _no_torch_hooks(bridge.model)
+
+
 def test_editing_hooks_changes_the_forward() -> None:
     model = tiny_model("llama")
     bridge = Bridge(model)

@@ -32,6 +32,32 @@ def test_handle_removes_only_its_hook() -> None:
     assert not point.is_active and point(x) is x
 
 
+def test_permanent_and_prepended_hooks() -> None:
+    """A permanent hook stays through ``remove_hooks`` unless ``including_permanent``; its
+    handle still removes it; ``prepend`` runs a hook before those already there; the context
+    is kept when asked."""
+    point = HookPoint("p")
+    double = lambda t, hook: t * 2  # noqa: E731
+    handle = point.add_hook(double, is_permanent=True)
+    point.add_hook(lambda t, hook: t + 1)
+    point.add_hook(lambda t, hook: t - 5, prepend=True)
+    x = torch.ones(2)
+    assert torch.equal(point(x), (x - 5) * 2 + 1)
+    point.ctx["seen"] = 1
+    point.remove_hooks(clear_context=False)
+    assert point.fwd_hooks == [double] and point.ctx == {"seen": 1}
+    point.remove_hooks()
+    assert point.fwd_hooks == [double] and point.ctx == {}
+    point.remove_hooks(including_permanent=True)
+    assert not point.is_active and not point.permanent
+    point.add_hook(double, is_permanent=True)
+    point.add_hook(double, dir="bwd", is_permanent=True)
+    handle = point.add_hook(double, is_permanent=True)
+    handle.remove()
+    point.remove_hooks("fwd")
+    assert point.fwd_hooks == [double] and point.bwd_hooks == [double]
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -261,3 +261,17 @@ def test_batch_slicing_and_head_results(pair):
     theirs.compute_head_results()
     for layer in range(pair.qlens.cfg.n_layers):
         _close(ours["result", layer], theirs["result", layer])
+
+
+def test_loss_fn_and_head_labels_answer_as_transformerlens(pair):
+    """``loss_fn`` (mean, per token, with a mask that drops the last two positions of one
+    row) and ``all_head_labels`` (TL 4's property, and a call as HookedTransformer had it)."""
+    mask = torch.ones_like(TOKENS)
+    mask[1, -2:] = 0
+    for kwargs in ({}, {"per_token": True}, {"attention_mask": mask}):
+        ours = pair.qlens.loss_fn(pair.logits, TOKENS, **kwargs)
+        theirs = pair.tl.loss_fn(pair.tl_logits, TOKENS, **kwargs)
+        torch.testing.assert_close(ours, theirs.to(ours.dtype), **TOL)
+    assert list(pair.qlens.all_head_labels) == pair.tl.all_head_labels
+    assert pair.qlens.all_head_labels() == pair.tl.all_head_labels
+    assert pair.qlens.to_single_str_token(5) == pair.tl.to_single_str_token(5)
