@@ -81,6 +81,37 @@ class _StopForward(Exception):  # noqa: N818
         self.residual = residual
 
 
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """A forward from layer ``layer`` on ``residual``."""
+
+    layer: int
+    residual: Tensor
+
+
+def _pass_through(*args: Any, **kwargs: Any) -> Any:
+    """A skipped decoder layer: its input hidden states, unchanged (what HF layers return)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class _Skipping:
+    """Handle of a start: removing it restores the skipped layers' forwards and the hook."""
+
+    def __init__(self, handle: RemovableHandle, skipped: list[nn.Module]) -> None:
+        self.handle, self.skipped = handle, skipped
+        self.own = [m.__dict__.get("forward") for m in skipped]  # wrappers set on instances
+        for module in skipped:
+            module.forward = _pass_through  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.handle.remove()
+        for module, own in zip(self.skipped, self.own, strict=True):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
 class Bridge(HookSwitches, ModelAPI):
     """Hook points, caching and generation for a supported HF causal LM."""
 
@@ -265,17 +296,20 @@ class Bridge(HookSwitches, ModelAPI):
             yield self
 
     @contextlib.contextmanager
-    def _attached(self, stop_at_layer: int | None = None) -> Iterator[None]:
-        """Attach PyTorch hooks for the active names (and the attention switch) for one call."""
+    def _attached(
+        self, stop_at_layer: int | None = None, start: _Start | None = None
+    ) -> Iterator[None]:
+        """Attach PyTorch hooks for the active names (and the attention switch) for one call;
+        ``start``: run the layers from its own on, on its residual."""
         if self._running:
             raise RuntimeError(
                 "the bridge is already running: a hook cannot run the bridge again; "
                 "compute what you need after the forward returns"
             )
         active = {n for n, p in self.hook_dict.items() if p.is_active}
-        self._check_fireable(active, stop_at_layer)
+        self._check_fireable(active, stop_at_layer, None if start is None else start.layer)
         self._check_switches(active)
-        handles: list[RemovableHandle] = []
+        handles: list[RemovableHandle | _Skipping] = []
         configs = self._attention_configs()
         saved = {id(c): c._attn_implementation for c in configs.values()}
         switch = not active.isdisjoint(self._attention_fn_names)
@@ -288,6 +322,8 @@ class Bridge(HookSwitches, ModelAPI):
                     handles += site.attach(self.hook_dict)
             if stop_at_layer is not None:
                 handles.append(self._stop_hook(stop_at_layer))
+            if start is not None:
+                handles.append(self._start_hook(start))
             if switch:
                 for rl, tap in zip(self._layers, self._taps, strict=True):
                     attn = rl.modules["attn"]
@@ -323,13 +359,44 @@ class Bridge(HookSwitches, ModelAPI):
         layer = layer_of(name)
         return layer < stop_at_layer if layer is not None else not name.startswith("ln_final.")
 
-    def _check_fireable(self, active: set[str], stop_at_layer: int | None) -> None:
+    def _fires_from(self, name: str, start_at_layer: int | None) -> bool:
+        """Whether ``name`` fires in a forward started at layer ``start_at_layer``."""
+        if start_at_layer is None:
+            return True
+        layer = layer_of(name)
+        return layer >= start_at_layer if layer is not None else name.startswith("ln_final.")
+
+    def _check_fireable(
+        self, active: set[str], stop_at_layer: int | None, start_at_layer: int | None = None
+    ) -> None:
         for name in sorted(active):
             if not self._fires_before(name, stop_at_layer):
                 raise ValueError(
                     f"hook {name!r} cannot fire with stop_at_layer={stop_at_layer}: the forward "
                     f"stops before it. Remove the hook or raise stop_at_layer."
                 )
+            if not self._fires_from(name, start_at_layer):
+                raise ValueError(
+                    f"hook {name!r} cannot fire with start_at_layer={start_at_layer}: the "
+                    "forward starts after it. Remove the hook or lower start_at_layer."
+                )
+
+    def _start_hook(self, start: _Start) -> _Skipping:
+        """Skip the layers before ``start.layer`` (each passes its input on, computing nothing)
+        and hand ``start.residual`` to the first that runs (or to the final norm)."""
+        target = (
+            self.ln_final if start.layer == self.cfg.n_layers else self._layers[start.layer].layer
+        )
+
+        def enter(
+            _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args:
+                return (start.residual, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": start.residual}
+
+        handle = target.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+        return _Skipping(handle, [rl.layer for rl in self._layers[: start.layer]])
 
     def _stop_hook(self, stop_at_layer: int) -> RemovableHandle:
         target = (
@@ -446,6 +513,31 @@ class Bridge(HookSwitches, ModelAPI):
         return tokens, attention_mask.to(device=device, dtype=torch.long)
 
     # -- forward -----------------------------------------------------------------------------
+    def _start_from(
+        self, residual: Input, start_at_layer: int, attention_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, _Start]:
+        """Stand-in tokens (the embeddings the skipped layers would have read are replaced),
+        the mask, and the start for a forward from ``start_at_layer`` on ``residual``."""
+        n = self.cfg.n_layers
+        if not -n <= start_at_layer <= n:
+            raise ValueError(f"start_at_layer must be in [{-n}, {n}], got {start_at_layer}")
+        layer = start_at_layer + n if start_at_layer < 0 else start_at_layer
+        if not isinstance(residual, Tensor) or not residual.is_floating_point():
+            raise TypeError(
+                "with start_at_layer, input is the residual stream [batch pos d_model] (a float "
+                f"tensor, e.g. cache['resid_pre', {layer}]), got {type(residual).__name__}"
+                + (f" of {residual.dtype}" if isinstance(residual, Tensor) else "")
+            )
+        residual = residual.unsqueeze(0) if residual.ndim == 2 else residual
+        if residual.ndim != 3 or residual.shape[-1] != self.cfg.d_model:
+            raise ValueError(
+                f"with start_at_layer, input must be [batch pos d_model={self.cfg.d_model}], got "
+                f"{tuple(residual.shape)}"
+            )
+        tokens = torch.zeros(residual.shape[:2], dtype=torch.long, device=self.device)
+        _, mask = self._prepare(tokens, attention_mask)
+        return tokens, mask, _Start(layer, residual)
+
     def _model_forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         kwargs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
         if mask is not None:
@@ -453,14 +545,25 @@ class Bridge(HookSwitches, ModelAPI):
             kwargs["position_ids"] = positions_from_mask(mask)
         return self.model(**kwargs).logits
 
-    def _run(self, tokens: Tensor, mask: Tensor | None, stop_at_layer: int | None = None) -> Tensor:
+    def _run(
+        self,
+        tokens: Tensor,
+        mask: Tensor | None,
+        stop_at_layer: int | None = None,
+        start: _Start | None = None,
+    ) -> Tensor:
         if stop_at_layer is not None:
             n = self.cfg.n_layers
             if not -n <= stop_at_layer <= n:
                 raise ValueError(f"stop_at_layer must be in [{-n}, {n}], got {stop_at_layer}")
             if stop_at_layer < 0:
                 stop_at_layer += n
-        with self._attached(stop_at_layer):
+            if start is not None and stop_at_layer <= start.layer:
+                raise ValueError(
+                    f"stop_at_layer ({stop_at_layer}) must come after start_at_layer "
+                    f"({start.layer})"
+                )
+        with self._attached(stop_at_layer, start):
             try:
                 out = self._model_forward(tokens, mask)
             except _StopForward as stop:
@@ -485,10 +588,14 @@ class Bridge(HookSwitches, ModelAPI):
         prepend_bos: bool | None = None,
         padding_side: PaddingSide | None = None,
         loss_per_token: bool = False,
+        start_at_layer: int | None = None,
     ) -> Any:
         """Logits ``[batch pos d_vocab]``, the mean next-token loss over real tokens, both, or None.
 
         With ``stop_at_layer=k`` the residual stream before layer ``k`` is returned instead.
+        With ``start_at_layer=j``, ``input`` is the residual stream before layer ``j``
+        ``[batch pos d_model]`` (``hook_resid_pre`` of block ``j``; ``n_layers``: before the
+        final norm) and only the layers from ``j`` on run; ``attention_mask`` marks its padding.
         Strings are tokenized as ``to_tokens(input, prepend_bos, padding_side)``.
         ``loss_per_token=True`` gives the loss of each prediction ``[batch pos-1]`` instead of the
         mean (0 where the token or its target is padding).
@@ -497,6 +604,15 @@ class Bridge(HookSwitches, ModelAPI):
             raise ValueError(
                 f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
             )
+        if start_at_layer is not None:
+            if return_type in ("loss", "both"):
+                raise ValueError(
+                    "start_at_layer runs from a residual, which has no tokens to score: take "
+                    "the logits and call loss_fn(logits, tokens)"
+                )
+            tokens, mask, start = self._start_from(input, start_at_layer, attention_mask)
+            out = self._run(tokens, mask, stop_at_layer, start)
+            return out if return_type is not None or stop_at_layer is not None else None
         tokens, mask = self._prepare(input, attention_mask, padding_side, prepend_bos)
         out = self._run(tokens, mask, stop_at_layer)
         if stop_at_layer is not None or return_type == "logits":
@@ -561,9 +677,11 @@ class Bridge(HookSwitches, ModelAPI):
         return_type: Literal["logits", "loss", "both"] | None = "logits",
         prepend_bos: bool | None = None,
         padding_side: PaddingSide | None = None,
+        start_at_layer: int | None = None,
     ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
-        except the opt-in ``attn.hook_result``."""
+        except the opt-in ``attn.hook_result`` (and those a ``stop_at_layer`` or
+        ``start_at_layer`` forward does not reach)."""
         names = resolve_names(names_filter, self.hook_names)
         if callable(names_filter):  # switched-off names are left out, as they cannot fire
             names = [n for n in names if not self._switched_off(n)]
@@ -573,6 +691,9 @@ class Bridge(HookSwitches, ModelAPI):
         if names_filter is None and stop_at_layer is not None:  # every name that can fire
             stop = stop_at_layer + self.cfg.n_layers if stop_at_layer < 0 else stop_at_layer
             names = [n for n in names if self._fires_before(n, stop)]
+        if names_filter is None and start_at_layer is not None:
+            start = start_at_layer + self.cfg.n_layers if start_at_layer < 0 else start_at_layer
+            names = [n for n in names if self._fires_from(n, start)]
         store: dict[str, Tensor] = {}
 
         def save(x: Tensor, hook: HookPoint) -> None:
@@ -581,7 +702,13 @@ class Bridge(HookSwitches, ModelAPI):
         handles = [self.hook_dict[n].add_hook(save) for n in names]
         try:
             out = self.forward(
-                input, return_type, attention_mask, stop_at_layer, prepend_bos, padding_side
+                input,
+                return_type,
+                attention_mask,
+                stop_at_layer,
+                prepend_bos,
+                padding_side,
+                start_at_layer=start_at_layer,
             )
         finally:
             for handle in handles:
