@@ -518,10 +518,7 @@ class Bridge(HookSwitches, ModelAPI):
     ) -> tuple[Tensor, Tensor | None, _Start]:
         """Stand-in tokens (the embeddings the skipped layers would have read are replaced),
         the mask, and the start for a forward from ``start_at_layer`` on ``residual``."""
-        n = self.cfg.n_layers
-        if not -n <= start_at_layer <= n:
-            raise ValueError(f"start_at_layer must be in [{-n}, {n}], got {start_at_layer}")
-        layer = start_at_layer + n if start_at_layer < 0 else start_at_layer
+        layer = self._layer_position(start_at_layer, "start_at_layer")
         if not isinstance(residual, Tensor) or not residual.is_floating_point():
             raise TypeError(
                 "with start_at_layer, input is the residual stream [batch pos d_model] (a float "
@@ -538,6 +535,14 @@ class Bridge(HookSwitches, ModelAPI):
         _, mask = self._prepare(tokens, attention_mask)
         return tokens, mask, _Start(layer, residual)
 
+    def _layer_position(self, layer: int, what: str) -> int:
+        """``layer`` (``what``: ``stop_at_layer`` or ``start_at_layer``, in [-n_layers,
+        n_layers], negative counting from the end) as a position in [0, n_layers]."""
+        n = self.cfg.n_layers
+        if not -n <= layer <= n:
+            raise ValueError(f"{what} must be in [{-n}, {n}], got {layer}")
+        return layer + n if layer < 0 else layer
+
     def _model_forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         kwargs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
         if mask is not None:
@@ -553,11 +558,7 @@ class Bridge(HookSwitches, ModelAPI):
         start: _Start | None = None,
     ) -> Tensor:
         if stop_at_layer is not None:
-            n = self.cfg.n_layers
-            if not -n <= stop_at_layer <= n:
-                raise ValueError(f"stop_at_layer must be in [{-n}, {n}], got {stop_at_layer}")
-            if stop_at_layer < 0:
-                stop_at_layer += n
+            stop_at_layer = self._layer_position(stop_at_layer, "stop_at_layer")
             if start is not None and stop_at_layer <= start.layer:
                 raise ValueError(
                     f"stop_at_layer ({stop_at_layer}) must come after start_at_layer "
@@ -689,10 +690,10 @@ class Bridge(HookSwitches, ModelAPI):
             selected = set(names) | set(self._switched_on_names())
             names = [n for n in self.hook_names if n in selected]
         if names_filter is None and stop_at_layer is not None:  # every name that can fire
-            stop = stop_at_layer + self.cfg.n_layers if stop_at_layer < 0 else stop_at_layer
+            stop = self._layer_position(stop_at_layer, "stop_at_layer")
             names = [n for n in names if self._fires_before(n, stop)]
         if names_filter is None and start_at_layer is not None:
-            start = start_at_layer + self.cfg.n_layers if start_at_layer < 0 else start_at_layer
+            start = self._layer_position(start_at_layer, "start_at_layer")
             names = [n for n in names if self._fires_from(n, start)]
         store: dict[str, Tensor] = {}
 
