@@ -109,6 +109,8 @@ class HookPoint:
             if including_permanent:
                 for fn in hooks:
                     self.permanent.pop((direction, id(fn)), None)
+                hooks.clear()
+                continue
             left = Counter({key: n for key, n in self.permanent.items() if key[0] == direction})
             kept = []
             for fn in hooks:  # as many of each function as were added permanent
