@@ -2,8 +2,9 @@
 by code position in the kernel's registers, one launch a call) against the rows regrouped by a
 copy before the launch (``False``; the default, ``None``, takes the first outside CUDA-graph
 capture and the second while a graph captures): per 8B decode layer, and in whole 32-token
-forwards. ``--toggle split_sum`` compares K splits summed in the kernel (``split_sum=True``, the
-default) with a second, reducing launch instead, the rows read as the default says.
+forwards. ``--toggle split_sum`` compares K splits summed in the kernel (``split_sum=True``) with
+a second, reducing launch (``False``), the rows read as the default says (the default,
+``None``, sums in the launch on rows as they are and reduces after the regrouped one).
 
 Per layer and row count (the dispatcher's own launch for those rows, only the toggled field
 changed): host and wall microseconds of back-to-back eager calls, the GPU time of a call in a
@@ -159,7 +160,7 @@ def main() -> None:
         f"wall us, {on} | graph us, {off} | graph us, {on} | graph speed-up, {on} | "
         "same output |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        *layer_rows(field, schemes, [int(r) for r in args.rows.split(",")]),
+        *layer_rows(field, schemes, [int(r) for r in args.rows.split(",") if r]),
     ]
     models = [
         f"| shape | model | {args.tokens}-token forward ms, {off} | {on} | vs bf16, {off} | "

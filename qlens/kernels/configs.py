@@ -46,10 +46,11 @@ class LinearConfig:
     registers (one launch a call); ``False``, regrouped by a copy before the launch (faster on
     the GPU, one more launch on the host); ``None`` (the default), as it is outside CUDA-graph
     capture and regrouped while a graph captures (``benchmarks/tuning/results/
-    few_rows_as_is_h100.md``). ``split_sum``: that GEMV's tensor-core launches split along K
-    sum their partials in the kernel, the last program of each tile (one launch a call), not
-    in a second, reducing launch (the default until GPU timings decide:
-    ``python -m benchmarks.tuning.few_rows_as_is --toggle split_sum``)."""
+    few_rows_as_is_h100.md``). ``split_sum``: whether that GEMV's tensor-core launches split
+    along K sum their partials in the kernel, the last program of each tile (one launch a
+    call), or leave them to a second, reducing launch; ``None`` (the default): summed in the
+    launch on rows as they are (eager calls, bound by host time), reduced after the regrouped
+    one (CUDA graphs, bound by GPU time) (``benchmarks/tuning/results/few_rows_split_sum_h100.md``)."""
 
     path: Path
     block_m: int
@@ -61,7 +62,7 @@ class LinearConfig:
     num_stages: int = 3
     words: bool = True
     x_as_is: bool | None = None
-    split_sum: bool = False
+    split_sum: bool | None = None
 
     def __post_init__(self) -> None:
         require_tile_sizes(block_m=self.block_m, block_k=self.block_k)

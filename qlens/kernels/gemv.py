@@ -183,14 +183,25 @@ class PackedGemv(PreparedSplitLaunch):
         split = 1 if experts is not None else cfg.split_k
         self.m, self.k, self.n = m, w.k, w.n
         grid = (ceil_div(w.n, cfg.block_n), ceil_div(m, block_m), split)
-        # Rows on tensor cores may sum their K splits in the kernel: one launch a call.
-        summed = use_dot and split > 1 and cfg.split_sum
+        # The launches prepared: on regrouped rows (tensor cores, unless x is always read as
+        # it is), and on rows as they are (unless always regrouped).
+        regroups = use_dot and cfg.x_as_is is not True
+        as_is = not (regroups and cfg.x_as_is is False)
+        kinds = [*([True] if regroups else []), *([False] if as_is else [])]
+
+        def sums(regrouped: bool) -> bool:
+            """Whether the launch sums its K splits itself (tensor-core rows only): by default
+            the one on rows as they are (eager calls' one launch), not the regrouped one."""
+            wanted = not regrouped if cfg.split_sum is None else cfg.split_sum
+            return use_dot and split > 1 and wanted
+
         # x, then bias, out, partials, expert ids and tile counters where the launch reads them
         slots = self._prepare_outputs(
-            m, w.n, dtype, has_bias, split, out_shape, words, grid[0] * grid[1] if summed else 0
-        )
+            m, w.n, dtype, has_bias, split, out_shape, words,
+            summed_tiles=grid[0] * grid[1] if any(map(sums, kinds)) else 0,
+            reduced=not all(map(sums, kinds)),
+        )  # fmt: skip
         slots += [8] if experts is not None else []
-        slots += [9] if summed else []
         scales, zeros, global_scale = (dot_kernel_args if use_dot else kernel_args)(w)[1:]
         slot = words  # placeholder of a per-call tensor; unused pointers point at the words
         interpret = interpreting()
@@ -205,11 +216,11 @@ class PackedGemv(PreparedSplitLaunch):
                                                      experts.global_scale)),
             )  # fmt: skip
             return PACKED_GEMV.prepare(
-                grid, args, slots,
+                grid, args, [*slots, *([9] if sums(regrouped) else [])],
                 self.device, FAMILY=w.family, GROUP_K=w.group_k, SCALE_E8M0=w.scale_e8m0,
                 HAS_ZEROS=w.zeros is not None, GLOBAL_DIVIDE=w.global_divide,
                 HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split, SPLIT_SUM=summed,
+                MASK_N=w.n % cfg.block_n != 0, SPLIT_K=split, SPLIT_SUM=sums(regrouped),
                 USE_DOT=use_dot, X_AS_IS=not regrouped, X_DTYPE=_TL_DTYPES[dtype],
                 USE_ASM=not interpret,
                 EXPERTS=experts is not None, INTERPRET=interpret, LOOP_STAGES=cfg.num_stages,
@@ -217,13 +228,12 @@ class PackedGemv(PreparedSplitLaunch):
             )  # fmt: skip
 
         # Rows on tensor cores: the launch on regrouped rows, when any call takes it.
-        regrouped = prepare(regrouped=True) if use_dot and cfg.x_as_is is not True else None
-        self.regrouped = regrouped
-        # The launch on rows as they are, when any call takes it.
-        if regrouped is not None and cfg.x_as_is is False:
-            self.launch = regrouped
-        else:
-            self.launch = prepare(regrouped=False)
+        self.regrouped = prepare(regrouped=True) if regroups else None
+        self.regrouped_sums = sums(True)
+        # The launch on rows as they are, when any call takes it (else the regrouped one).
+        launch = prepare(regrouped=False) if as_is else self.regrouped
+        assert launch is not None  # one of the two is always prepared
+        self.launch, self.sums = launch, sums(not as_is)
         self._by_capture = use_dot and cfg.x_as_is is None  # regrouped while graphs capture
         self._regrouped_ran = False
 
@@ -239,7 +249,8 @@ class PackedGemv(PreparedSplitLaunch):
             not self._by_capture or not self._regrouped_ran or capturing_cuda_graph(self.device)
         ):
             self._regrouped_ran = True
-            return self.run(permute_codes(x.reshape(self.m, self.k)), bias, ids, regrouped)
+            rows = permute_codes(x.reshape(self.m, self.k))
+            return self.run(rows, bias, ids, regrouped, self.regrouped_sums)
         return self.run(x, bias, ids)
 
 

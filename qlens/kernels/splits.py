@@ -1,8 +1,8 @@
 """Output of a K-split launch: each program stores a float32 partial of its K range, and the
 partials are summed in split order (deterministic), the bias added and the result cast, either
 by a second launch (``reduce_splits``) or, in the packed GEMV's launches on tensor cores when
-``LinearConfig.split_sum`` asks (not by default until GPU timings decide), by the last program
-of each output tile (``sum_tile_splits``: one launch a call).
+``LinearConfig.split_sum`` asks (by default in its launches on rows as they are, the eager
+calls' one launch), by the last program of each output tile (``sum_tile_splits``).
 
 In the kernel: every program stores its partial, then bumps its tile's int32 arrival counter
 (an acquire-release ``atomic_add`` at GPU scope, after a CTA barrier so that every thread's
@@ -167,9 +167,10 @@ class PreparedSplitLaunch:
     """What the prepared launches of split-K kernels share (the GEMVs, the weight-only
     kernel): the output (and, when K is split, the float32 partials) allocated per call, the
     prepared launch, then the split reduction, unless the launch sums its splits itself
-    (``counters``: the tile counters it needs, 0 for none)."""
+    (``sums``; ``counters``: the tile counters such launches need, 0 for none)."""
 
     launch: PreparedLaunch
+    sums: bool = False
     reduce: PreparedLaunch | None
     counters: int
     out_shape: tuple[int, ...]
@@ -188,13 +189,14 @@ class PreparedSplitLaunch:
         out_shape: tuple[int, ...] | None,
         placeholder: Tensor,
         summed_tiles: int = 0,
+        reduced: bool = True,
     ) -> list[int]:
         """Set the output (``out_shape``, default ``[m, n]``, of ``dtype``), the partials of a
-        launch split ``split`` ways and their prepared reduction, or, when the launch sums
-        its ``summed_tiles`` tiles' splits itself (``sum_tile_splits``), its counters; on
-        ``placeholder``'s device (it stands for the reduction's per-call tensors). Returns the
-        launch's slots: ``x`` (argument 0), then the bias (5), the output (6) and the partials
-        (7) where it reads them."""
+        launch split ``split`` ways and, when a launch leaves them to it (``reduced``), their
+        prepared reduction; when a launch sums its ``summed_tiles`` tiles' splits itself
+        (``sum_tile_splits``), their counters; on ``placeholder``'s device (it stands for the
+        reduction's per-call tensors). Returns the launch's slots: ``x`` (argument 0), then the
+        bias (5), the output (6) and the partials (7) where it reads them."""
         device = placeholder.device
         self.out_shape, self.dtype, self.device = out_shape or (m, n), dtype, device
         self.has_bias = has_bias
@@ -202,7 +204,7 @@ class PreparedSplitLaunch:
         self.counters = summed_tiles if split > 1 else 0
         self.reduce = (
             prepared_reduce(split, m, n, has_bias, device, placeholder)
-            if split > 1 and not summed_tiles
+            if split > 1 and reduced
             else None
         )
         return [0, *([5] if has_bias else []), 6, *([7] if split > 1 else [])]
@@ -219,10 +221,14 @@ class PreparedSplitLaunch:
         bias: Tensor | None,
         ids: Tensor | None = None,
         launch: PreparedLaunch | None = None,
+        sums: bool = False,
     ) -> Tensor:
-        """Launch ``launch`` (by default the prepared one) on the kernel-ready rows ``x`` (then
-        the bias, the output, the partials, the expert ids and the tile counters where the
-        launch reads them) and return the output."""
+        """Launch ``launch`` (by default the prepared one, summing its splits as ``self.sums``
+        says; another sums them as ``sums`` says) on the kernel-ready rows ``x`` (then the
+        bias, the output, the partials, the expert ids and the tile counters where the launch
+        reads them) and return the output, its splits reduced unless the launch summed them."""
+        if launch is None:
+            launch, sums = self.launch, self.sums
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         tensors = [x, bias, out] if self.has_bias else [x, out]
         if self.partials_shape is not None:
@@ -230,10 +236,10 @@ class PreparedSplitLaunch:
             tensors.append(partials)
         if ids is not None:
             tensors.append(ids)
-        if self.counters:
+        if sums:
             tensors.append(split_counters(self.device, self.counters))
-        (launch or self.launch)(*tensors)
-        if self.reduce is not None:
+        launch(*tensors)
+        if not sums and self.reduce is not None:
             if bias is not None:
                 self.reduce(partials, bias, out)
             else:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -230,18 +231,58 @@ def test_k_splits_summed_in_the_kernel_give_the_reducing_launchs_output(family, 
     assert counters.dtype == torch.int32 and not counters.any()
 
 
+def test_by_default_eager_calls_sum_their_splits_and_graph_captures_reduce_them(monkeypatch):
+    """``split_sum=None`` (the default) with rows read as they are outside CUDA-graph capture
+    (``x_as_is=None``): the first call (regrouped, compiling that launch) and calls while a
+    graph captures take the regrouped launch and the reducing one; other calls one launch that
+    sums its splits; all bit for bit the same."""
+    payload = quantized(40, 1064, ("nvfp4", {}))
+    view = kernel_weight(payload)
+    launched: list[str] = []
+    prepared_call = splits.PreparedLaunch.__call__
+    monkeypatch.setattr(
+        splits.PreparedLaunch,
+        "__call__",
+        lambda self, *t: launched.append(self.launcher.kernel.__name__) or prepared_call(self, *t),
+    )
+    capturing = [False]
+    monkeypatch.setattr(gemv, "capturing_cuda_graph", lambda device: capturing[0])
+    cfg = LinearConfig("gemv", 16, 16, 64, split_k=3)
+    launch = gemv.PackedGemv(view, word_view(view), 20, torch.bfloat16, False, cfg)
+    x = torch.randn(20, 1064).to(torch.bfloat16)
+    outs = []
+    for capture in (False, False, True, False):
+        capturing[0] = capture
+        launched.clear()
+        outs.append(launch(x, None))
+        regrouped = capture or len(outs) == 1
+        want = (
+            ["packed_gemv_kernel", "_reduce_splits_kernel"] if regrouped else ["packed_gemv_kernel"]
+        )
+        assert launched == want, (len(outs), launched)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert rel_err(outs[0], _reference(x, payload, None)) < TOLERANCE[torch.bfloat16]
+    assert not splits.split_counters(torch.device("cpu"), 1).any()
+
+
 def test_one_row_and_unsplit_launches_keep_no_tile_counters():
-    """Only tensor-core launches split along K count their tiles (and only when ``split_sum``
-    asks, not by default): one row (FMAs) and unsplit launches have no counters, and an
-    unsplit launch no reduction either."""
-    assert LinearConfig("gemv", 16, 16, 64).split_sum is False
+    """Only tensor-core launches split along K count their tiles (when ``split_sum`` asks, or
+    by default for the launch on rows as they are): one row (FMAs) and unsplit launches have
+    no counters, and an unsplit launch no reduction either; by default a split launch keeps
+    both, the reduction for its regrouped launch."""
+    assert LinearConfig("gemv", 16, 16, 64).split_sum is None
     view = kernel_weight(quantized(40, 256, ("int4", {"group_size": 64})))
     split = LinearConfig("gemv", 16, 16, 64, split_k=2, split_sum=True)
     unsplit = LinearConfig("gemv", 16, 16, 64, split_sum=True)
+    by_default = LinearConfig("gemv", 16, 16, 64, split_k=2)
     for m, cfg, counters, reduce in (
         (1, split, 0, True),
+        (1, by_default, 0, True),
         (5, unsplit, 0, False),
         (5, split, 3, False),
+        (5, by_default, 3, True),
+        (5, dataclasses.replace(by_default, x_as_is=True), 3, False),
+        (5, dataclasses.replace(by_default, x_as_is=False), 0, True),
     ):
         launch = gemv.PackedGemv(view, word_view(view), m, torch.float32, False, cfg)
         assert launch.counters == counters and (launch.reduce is not None) == reduce, (m, cfg)
