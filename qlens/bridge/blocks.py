@@ -3,7 +3,9 @@
 ``bridge.blocks[3].attn.hook_pattern`` is the HookPoint ``blocks.3.attn.hook_pattern``;
 ``bridge.blocks[3].attn.W_Q`` reads that layer's query weights through ``qlens.weights``; any
 other attribute of a component is looked up on the HF module it stands for
-(``bridge.blocks[3].attn.q_proj``). The views hold no state of their own.
+(``bridge.blocks[3].attn.q_proj``). ``bridge.blocks[3](resid_pre)`` runs that block on a
+residual stream, its hooks firing; ``bridge.blocks[3].mlp(x)`` and the norms run their HF
+module. The views hold no state of their own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
+from jaxtyping import Float, Int
+from torch import Tensor, nn
 
 from qlens.hooks import HookPoint
 
@@ -64,6 +67,28 @@ class ComponentView:
         module = type(self.module).__name__ if self.module is not None else "no module"
         return f"ComponentView({self.name!r}, {module}, {len(self._points)} hook points)"
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the HF module (an MLP or a norm) on its input, as TransformerLens runs its
+        component. Its hook points fire only inside a forward of the bridge, so a component
+        with active hooks is refused, and so is attention, whose HF module needs the
+        position embeddings and mask of a forward: run the block instead."""
+        block = self.name.rsplit(".", 1)[0]
+        if self.name.endswith(".attn") or self.module is None:
+            raise TypeError(
+                f"{self.name} cannot run on its own: "
+                + ("its HF module needs the forward's position embeddings and mask; "
+                   if self.module is not None else "it has no HF module; ")
+                + f"run the whole block, bridge.{block.replace('.', '[', 1)}](resid_pre)"
+            )  # fmt: skip
+        active = sorted(name for name, point in self._points.items() if point.is_active)
+        if active:
+            raise RuntimeError(
+                f"{self.name}'s hooks ({', '.join(active)}) fire only in a forward of the "
+                f"bridge, not when the module runs alone: remove them, or run the block, "
+                f"bridge.{block.replace('.', '[', 1)}](resid_pre)"
+            )
+        return self.module(*args, **kwargs)
+
 
 class BlockView(ComponentView):
     """``blocks[i]``: the block's own hook points and its ``attn``/``mlp``/``ln*`` components."""
@@ -74,10 +99,23 @@ class BlockView(ComponentView):
         points: dict[str, HookPoint],
         module: nn.Module,
         components: dict[str, ComponentView],
+        run: Callable[..., Tensor],
     ) -> None:
         super().__init__(f"blocks.{index}", points, module, {})
         self.index = index
         self._components = components
+        self._run = run
+
+    def __call__(  # type: ignore[override]
+        self,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The block on the residual stream before it, ``resid_pre``: its ``resid_post``, as
+        TransformerLens' ``model.blocks[i](resid)`` gives it (positions from 0, or from
+        ``attention_mask``, which marks padding). The block's hooks fire; active hooks of other
+        blocks are refused (``Bridge.run_block``)."""
+        return self._run(self.index, resid_pre, attention_mask)
 
     def __getattr__(self, attr: str) -> Any:
         if not attr.startswith("_") and attr in self._components:
@@ -115,7 +153,7 @@ def build_blocks(bridge: Any) -> tuple[BlockView, ...]:
             components[tl_name] = ComponentView(
                 prefix + tl_name, by_component.get(tl_name, {}), module, weights
             )
-        blocks.append(BlockView(rl.index, by_component[""], rl.layer, components))
+        blocks.append(BlockView(rl.index, by_component[""], rl.layer, components, bridge.run_block))
     return tuple(blocks)
 
 

@@ -625,6 +625,36 @@ class Bridge(HookSwitches, ModelAPI):
 
     __call__ = forward
 
+    def run_block(
+        self,
+        layer: int,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        attention_mask: Int[Tensor, "batch pos"] | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """Block ``layer`` alone on the residual stream before it (``bridge.blocks[layer]
+        (resid_pre)``): its ``resid_post``, the forward from ``start_at_layer=layer`` stopped
+        after it. The block's hooks fire; an active hook anywhere else is refused."""
+        n = self.cfg.n_layers
+        if not -n <= layer < n:
+            raise ValueError(f"layer must be in [{-n}, {n - 1}], got {layer}")
+        position = layer % n
+        outside = sorted(
+            name
+            for name, point in self.hook_dict.items()
+            if point.is_active and layer_of(name) != position
+        )
+        if outside:
+            raise ValueError(
+                f"blocks[{position}] runs alone, where hooks outside it cannot fire: "
+                f"{', '.join(outside)}. Remove them (reset_hooks()) or run the whole forward."
+            )
+        return self.forward(
+            resid_pre,
+            start_at_layer=position,
+            stop_at_layer=position + 1,
+            attention_mask=attention_mask,
+        )
+
     def loss_fn(
         self,
         logits: Float[Tensor, "batch pos d_vocab"],
