@@ -208,7 +208,10 @@ def _explicit_attention(
     scores = torch.bmm(q_rows, keys_t).view(batch, n_heads, q_len, k_len)
     softcap = kwargs.get("softcap")
     if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
+        if scores.requires_grad:  # tanh's backward reads its output: no edits in place
+            scores = torch.tanh(scores / softcap) * softcap
+        else:
+            scores.div_(softcap).tanh_().mul_(softcap)
     _mask_in_place(scores, attention_mask)
     scores = _fire(tap, "scores", scores)
     sinks = kwargs.get("s_aux")

@@ -223,11 +223,30 @@ class Bridge(HookSwitches, ModelAPI):
     ) -> list[HookHandle]:
         """Attach ``fn(tensor, hook)`` to every matching hook point until removed or reset
         (``is_permanent``: until a reset ``including_permanent``; ``prepend``: before the
-        point's other hooks)."""
+        point's other hooks). Backward hooks (``dir="bwd"``) see the gradient of the
+        activation; names whose gradient no hook can see are refused (a filter leaves them
+        out)."""
+        names = self._names_for(name_or_filter)
+        if dir == "bwd":
+            names = self._gradient_names(names, explicit=isinstance(name_or_filter, str))
         return [
             self.hook_dict[n].add_hook(fn, dir=dir, is_permanent=is_permanent, prepend=prepend)
-            for n in self._names_for(name_or_filter)
+            for n in names
         ]
+
+    def _gradient_names(self, names: list[str], explicit: bool) -> list[str]:
+        """``names`` less those whose gradient no backward hook can see, which are refused
+        when ``explicit`` (named, not matched by a filter) or when nothing else is left."""
+        blind = {n for site in self._sites for n in site.gradient_blind}
+        refused = [n for n in names if n in blind]
+        kept = [n for n in names if n not in blind]
+        if refused and (explicit or not kept):
+            raise ValueError(
+                f"no backward hook can see the gradient of {', '.join(refused)}: qlens rebuilds "
+                "these beside the model's own computation (the family's routing reads the "
+                "router's logits itself). Hook a name on the model's path, e.g. hook_mlp_out."
+            )
+        return kept
 
     def add_perma_hook(
         self, name_or_filter: str | Callable[[str], bool], fn: HookFn, dir: str = "fwd"
@@ -709,10 +728,20 @@ class Bridge(HookSwitches, ModelAPI):
         prepend_bos: bool | None = None,
         padding_side: PaddingSide | None = None,
         start_at_layer: int | None = None,
+        incl_bwd: bool = False,
     ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Forward while caching (detached) activations. ``names_filter=None`` caches every name
         except the opt-in ``attn.hook_result`` (and those a ``stop_at_layer`` or
-        ``start_at_layer`` forward does not reach)."""
+        ``start_at_layer`` forward does not reach). ``incl_bwd=True`` then runs ``backward()``
+        on the output (one number: ``return_type="loss"``, or ``"both"``, whose loss it takes)
+        and caches the gradient of each name's activation as ``name + "_grad"`` (names
+        whose gradient no hook can see, the MoE router's, are left out, or refused when
+        named); parameters' ``.grad`` accumulate as in any backward pass."""
+        if incl_bwd and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "incl_bwd=True runs a backward pass: call run_with_cache outside torch.no_grad() "
+                "and torch.inference_mode()"
+            )
         names = resolve_names(names_filter, self.hook_names)
         if callable(names_filter):  # switched-off names are left out, as they cannot fire
             names = [n for n in names if not self._switched_off(n)]
@@ -730,7 +759,15 @@ class Bridge(HookSwitches, ModelAPI):
         def save(x: Tensor, hook: HookPoint) -> None:
             store[hook.name] = x.detach() if device is None else x.detach().to(device)
 
+        def save_grad(grad: Tensor, hook: HookPoint) -> None:
+            name = hook.name + "_grad"
+            store[name] = grad.detach() if device is None else grad.detach().to(device)
+
         handles = [self.hook_dict[n].add_hook(save) for n in names]
+        if incl_bwd:
+            named = isinstance(names_filter, str | list | tuple)
+            gradient_names = self._gradient_names(names, explicit=named)
+            handles += [self.hook_dict[n].add_hook(save_grad, "bwd") for n in gradient_names]
         try:
             out = self.forward(
                 input,
@@ -741,6 +778,9 @@ class Bridge(HookSwitches, ModelAPI):
                 padding_side,
                 start_at_layer=start_at_layer,
             )
+            if incl_bwd:
+                _backward_from(out[1] if return_type == "both" else out)
+                _require_gradients(store, gradient_names)
         finally:
             for handle in handles:
                 handle.remove()
@@ -840,6 +880,32 @@ def guard_compiled_graphs_on_hooks() -> None:
     import torch._dynamo
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
+def _backward_from(out: Any) -> None:
+    """``out.backward()`` for ``run_with_cache(incl_bwd=True)``, refusing what it cannot run."""
+    if not isinstance(out, Tensor) or out.numel() != 1:
+        got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            "incl_bwd=True runs backward() from the forward's output, which must be one number: "
+            f"pass return_type='loss' (got {got})"
+        )
+    if not out.requires_grad:
+        raise RuntimeError(
+            "incl_bwd=True: the output does not require grad, so no gradient can flow (are the "
+            "model's parameters frozen? model.requires_grad_(True) on some of them)"
+        )
+    out.backward()
+
+
+def _require_gradients(store: dict[str, Tensor], names: list[str]) -> None:
+    """Every cached activation of ``names`` got its gradient, or the error says which not."""
+    missing = [n for n in names if n in store and n + "_grad" not in store]
+    if missing:
+        raise RuntimeError(
+            f"no gradient reached {', '.join(missing)}: their activations do not require grad "
+            "(frozen parameters before them?) or do not reach the output"
+        )
 
 
 def _require_batch_one(store: dict[str, Tensor]) -> dict[str, Tensor]:

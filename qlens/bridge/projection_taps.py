@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from qlens.bridge.adapters.base import QKVLayout
-from qlens.bridge.taps import Points, Site
+from qlens.bridge.taps import Points, Site, wants_grad
 
 
 def _fire_heads(points: Points, name: str, flat: Tensor, d_head: int) -> Tensor:
@@ -26,7 +26,7 @@ def _fire_heads(points: Points, name: str, flat: Tensor, d_head: int) -> Tensor:
         return flat
     heads = flat.unflatten(-1, (-1, d_head))
     new = point(heads)
-    return flat if new is heads else new.flatten(-2)
+    return flat if new is heads and not wants_grad(points, name) else new.flatten(-2)
 
 
 class ProjectionHeadsSite(Site):
@@ -87,7 +87,7 @@ class FusedQKSite(Site):
             q, k, v = self.fused.split(output)
             new_q = _fire_heads(points, q_name, q, d_head)
             new_k = _fire_heads(points, k_name, k, d_head)
-            if new_q is q and new_k is k:
+            if new_q is q and new_k is k and not wants_grad(points, q_name, k_name):
                 return output
             return self.fused.join([new_q, new_k, v])
 

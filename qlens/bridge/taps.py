@@ -2,6 +2,14 @@
 
 Each site serves a few canonical names and is attached (as forward hooks / pre-hooks) only
 while one of them is active, so an idle bridge leaves the HF model untouched.
+
+Backward hooks see the gradient of the loss with respect to the hooked activation. A site
+that shows a view of the model's tensor passes that view on while a backward hook is on it
+(the gradient then reaches the view); one that computes its activation beside the model's
+own computation (a norm's scale, ``resid_mid``, per-head results) shows a detached copy
+and ties it into the module's output with a term that is zero in value and carries the
+copy's exact gradient (``observed``, ``tied``). Names whose gradient no site can show are a
+site's ``gradient_blind``; backward hooks on them are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +35,48 @@ def _with_first(output: Any, value: Tensor) -> Any:
     return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
+def wants_grad(points: Points, *names: str) -> bool:
+    """Whether a backward hook waits on any of ``names`` in a forward that records gradients."""
+    if not torch.is_grad_enabled():
+        return False
+    return any((point := points.get(name)) is not None and bool(point.bwd_hooks) for name in names)
+
+
+def observed(x: Tensor) -> Tensor:
+    """A detached copy of a side computation that records the gradient ``tied`` gives it."""
+    return x.detach().requires_grad_(True)
+
+
+def tied(out: Tensor, side: Tensor) -> Tensor:
+    """``out`` (unchanged in value: ``side - side`` is zero) with ``side`` on its gradient
+    path, so ``side`` receives the gradient ``out`` receives, through ``side``'s own function
+    of the observed copies."""
+    return out + (side - side.detach()).to(out.dtype)
+
+
+def _fire_side(
+    points: Points, name: str, x: Tensor, shape: Callable[[], tuple[int, ...]] | None
+) -> tuple[Tensor, bool]:
+    """Run the named point on ``x``, a side computation (shown as ``_fire`` shows it, and as an
+    ``observed`` copy while a backward hook waits on it): what the hooks left, in ``x``'s
+    shape, and whether they left the activation unchanged (then the copy itself, for
+    ``tied``; ``x`` when no gradient is wanted)."""
+    point = points.get(name)
+    if point is None or not point.is_active:
+        return x, True
+    shaped = x
+    if shape is not None and x.ndim == 2:
+        reshaped = x.reshape(*shape(), x.shape[-1])
+        shaped = reshaped if reshaped.ndim == 3 else x
+    grad = wants_grad(points, name)
+    if grad:
+        shaped = observed(shaped)
+    new = point(shaped)
+    if new is shaped and not grad:
+        return x, True
+    return new.reshape(x.shape), new is shaped
+
+
 def _fire(
     points: Points, name: str | None, x: Tensor, shape: Callable[[], tuple[int, ...]] | None = None
 ) -> Tensor:
@@ -38,7 +88,8 @@ def _fire(
         shaped = x.reshape(*shape(), x.shape[-1])
         if shaped.ndim == 3:
             new = point(shaped)
-            return x if new is shaped else new.reshape(x.shape)
+            keep = new is shaped and not wants_grad(points, point.name)
+            return x if keep else new.reshape(x.shape)
     return point(x)
 
 
@@ -56,6 +107,8 @@ class Site:
 
     names: tuple[str, ...] = ()
     also_needed_by: tuple[str, ...] = ()
+    # names whose gradient backward hooks cannot see (see the module's docstring)
+    gradient_blind: tuple[str, ...] = ()
     # [batch pos] of the current layer, for families that flatten tokens (OPT's MLP)
     shape: Callable[[], tuple[int, ...]] | None = None
 
@@ -167,9 +220,12 @@ class ResidMidSite(Site):
             resid_pre = self.store[self.pre]
             branch = _first(output)
             mid = resid_pre + branch
+            grad = wants_grad(points, name)
+            if grad:  # the model adds the branch to the residual itself: d mid = d branch
+                mid = observed(mid)
             new_mid = _fire(points, name, mid)
             if new_mid is mid:
-                return output
+                return _with_first(output, tied(branch, mid)) if grad else output
             return _with_first(output, new_mid - resid_pre)
 
         return [self.module.register_forward_hook(hook)]
@@ -216,14 +272,21 @@ class NormSite(Site):
             if points[scale_name].is_active or points[normalized_name].is_active:
                 centered, variance = self.centered_and_variance(args[0])
                 scale = variance.sqrt()  # float32 for every model dtype, as in TransformerLens
-                new_scale = _fire(points, scale_name, scale, self.shape)
-                if new_scale is scale:  # x * rsqrt(var + eps), as the HF norms compute it
-                    normalized = centered * variance.rsqrt_()
+                scale, scale_kept = _fire_side(points, scale_name, scale, self.shape)
+                if scale_kept:  # x * rsqrt(var + eps), as the HF norms compute it
+                    normalized = centered * variance.rsqrt()
                 else:
-                    normalized = centered / new_scale.float()
-                new_normalized = _fire(points, normalized_name, normalized, self.shape)
-                if new_scale is not scale or new_normalized is not normalized:
-                    y = self.affine(new_normalized, y.dtype)
+                    normalized = centered / scale.float()
+                normalized, normalized_kept = _fire_side(
+                    points, normalized_name, normalized, self.shape
+                )
+                if not (scale_kept and normalized_kept):
+                    y = self.affine(normalized, y.dtype)
+                else:  # the output as the model computed it, carrying the observed gradients
+                    if wants_grad(points, normalized_name):
+                        y = tied(y, self.affine(normalized, y.dtype))
+                    if wants_grad(points, scale_name):
+                        y = tied(y, self.affine(centered.detach() / scale, y.dtype))
             y = _fire(points, out_name, y, self.shape)
             return _with_first(output, y)
 
@@ -243,7 +306,7 @@ class GateUpSite(Site):
             gate, up = output.chunk(2, dim=-1)
             new_gate = _fire(points, pre, gate, self.shape)
             new_up = _fire(points, pre_linear, up, self.shape)
-            if new_gate is gate and new_up is up:
+            if new_gate is gate and new_up is up and not wants_grad(points, pre, pre_linear):
                 return output
             return torch.cat([new_gate, new_up], dim=-1)
 
@@ -268,6 +331,8 @@ class RouterSite(Site):
     ) -> None:
         self.mlp, self.router, self.routing = mlp, router, routing
         self.names = (logits_name, weights_name)
+        # the family's routing reads the router's own logits; the weights are rebuilt dense
+        self.gradient_blind = self.names
         self._shape: tuple[int, ...] = ()
 
     def attach(self, points: Points) -> list[RemovableHandle]:
@@ -331,9 +396,12 @@ class ResultSite(Site):
             z = args[0].reshape(*args[0].shape[:-1], self.n_heads, -1)
             w_o = self.w_o().to(z.dtype)
             result = torch.einsum("...hd,hdm->...hm", z, w_o)
+            grad = wants_grad(points, name)
+            if grad:  # the output is the heads' sum (and the bias): d result_h = d output
+                result = observed(result)
             new = points[name](result)
             if new is result:
-                return output
+                return tied(output, result.sum(-2)) if grad else output
             bias = getattr(self.module, "bias", None)
             summed = new.sum(-2)
             return summed + bias if bias is not None else summed

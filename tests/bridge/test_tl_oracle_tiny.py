@@ -275,3 +275,25 @@ def test_loss_fn_and_head_labels_answer_as_transformerlens(pair):
     assert list(pair.qlens.all_head_labels) == pair.tl.all_head_labels
     assert pair.qlens.all_head_labels() == pair.tl.all_head_labels
     assert pair.qlens.to_single_str_token(5) == pair.tl.to_single_str_token(5)
+
+
+def test_backward_cache_gradients(pair):
+    """``run_with_cache(incl_bwd=True)`` on the loss: TL's ``name_grad`` entries, to fp32
+    rounding, except ``hook_resid_mid``'s (TL 4.3's differs from the loss's gradient there,
+    which qlens gives: test_backward_cache checks it against finite differences) and, in
+    Gemma 2, the branch outputs qlens routes through the post-norms."""
+    ours = pair.qlens.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)[1]
+    theirs = pair.tl.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)[1]
+    skipped = ("hook_resid_mid_grad",)
+    if pair.arch in SANDWICH_NORMS:
+        skipped += ("hook_attn_out_grad", "hook_mlp_out_grad")
+    compared = [
+        name
+        for name in ours.keys()
+        if name.endswith("_grad") and name in theirs.cache_dict and not name.endswith(skipped)
+    ]
+    assert len(compared) >= 30
+    for name in compared:
+        torch.testing.assert_close(ours[name], theirs[name].to(ours[name].dtype), **TOL)
+    pair.qlens.zero_grad()
+    pair.tl.zero_grad()
