@@ -14,6 +14,15 @@ import torch
 from torch import Tensor
 
 HookFn = Callable[[Tensor, "HookPoint"], "Tensor | None"]
+# Set on a tensor that shows, for its hook point, an activation computed beside the model's
+# own computation: its backward hooks may read the gradient but not replace it.
+SIDE_COMPUTATION = "_qlens_side_computation"
+
+
+def mark_side_computation(x: Tensor) -> Tensor:
+    """Mark ``x`` (see ``SIDE_COMPUTATION``) and return it."""
+    setattr(x, SIDE_COMPUTATION, True)
+    return x
 
 
 class HookHandle:
@@ -126,7 +135,8 @@ class HookPoint:
         for fn in list(self.fwd_hooks):
             x = self._checked(fn(x, self), x, "forward")
         if self.bwd_hooks and x.requires_grad:
-            x.register_hook(self._run_backward)
+            side = getattr(x, SIDE_COMPUTATION, False)
+            x.register_hook(self._observe_backward if side else self._run_backward)
         return x
 
     __call__ = forward
@@ -134,6 +144,22 @@ class HookPoint:
     def _run_backward(self, grad: Tensor) -> Tensor:
         for fn in list(self.bwd_hooks):
             grad = self._checked(fn(grad, self), grad, "backward")
+        return grad
+
+    def _observe_backward(self, grad: Tensor) -> Tensor:
+        """Backward hooks on a side computation's copy (``mark_side_computation``): they see
+        its gradient, but a gradient they return would reach no earlier layer, so it is
+        refused."""
+        seen = grad
+        for fn in list(self.bwd_hooks):
+            grad = self._checked(fn(grad, self), grad, "backward")
+        if grad is not seen:
+            raise RuntimeError(
+                f"a backward hook on {self.name!r} returned a new gradient, but this activation "
+                "is computed beside the model's own computation, so an edited gradient would "
+                "reach no earlier layer. Read its gradient here; edit gradients at a name on "
+                "the model's path (hook_resid_pre, hook_attn_out, hook_mlp_out...)."
+            )
         return grad
 
     def _checked(self, result: object, original: Tensor, phase: str) -> Tensor:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from qlens.bridge.routing import dense_router_weights, sparse_router_weights
-from qlens.hooks import HookPoint
+from qlens.hooks import HookPoint, mark_side_computation
 
 Points = dict[str, HookPoint]
 
@@ -43,8 +43,9 @@ def wants_grad(points: Points, *names: str) -> bool:
 
 
 def observed(x: Tensor) -> Tensor:
-    """A detached copy of a side computation that records the gradient ``tied`` gives it."""
-    return x.detach().requires_grad_(True)
+    """A detached copy of a side computation that records the gradient ``tied`` gives it
+    (backward hooks may read that gradient, not replace it: ``mark_side_computation``)."""
+    return mark_side_computation(x.detach().requires_grad_(True))
 
 
 def tied(out: Tensor, side: Tensor) -> Tensor:

@@ -133,3 +133,31 @@ def test_router_gradients_are_refused_by_name_and_left_out_by_filters() -> None:
     assert {k for k in cache.keys() if k.endswith("_grad")} == {
         k + "_grad" for k in activations if "router" not in k
     }
+
+
+def test_a_backward_hook_on_a_side_computed_name_sees_and_edits_its_gradient() -> None:
+    """A user's backward hook on ``hook_resid_mid`` (computed beside the model) fires once in
+    ``loss.backward()`` with the cached gradient; returning an edited gradient there is
+    refused (it would reach no earlier layer), while on a name on the model's path
+    (``hook_resid_pre``) the edit flows on to the layers before it."""
+    bridge = Bridge(tiny_model("llama"))
+    names = ["blocks.1.hook_resid_mid", "blocks.0.hook_resid_pre"]
+    _, cache = bridge.run_with_cache(TOKENS, names_filter=names, return_type="loss", incl_bwd=True)
+    seen: list[torch.Tensor] = []
+    with bridge.hooks(bwd_hooks=[(names[0], lambda grad, hook: seen.append(grad.clone()))]):
+        bridge(TOKENS, return_type="loss").backward()
+    assert len(seen) == 1 and torch.equal(seen[0], cache[names[0] + "_grad"])
+    with bridge.hooks(bwd_hooks=[(names[0], lambda grad, hook: 2 * grad)]):
+        loss = bridge(TOKENS, return_type="loss")
+        with pytest.raises(RuntimeError, match=r"'blocks\.1\.hook_resid_mid' returned a new gr"):
+            loss.backward()
+    reached: list[torch.Tensor] = []
+    with bridge.hooks(
+        bwd_hooks=[
+            ("blocks.1.hook_resid_pre", lambda grad, hook: 2 * grad),
+            (names[1], lambda grad, hook: reached.append(grad.clone())),
+        ]
+    ):
+        bridge(TOKENS, return_type="loss").backward()
+    assert not torch.allclose(reached[0], cache[names[1] + "_grad"])
+    bridge.zero_grad()
