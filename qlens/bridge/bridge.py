@@ -756,12 +756,14 @@ class Bridge(HookSwitches, ModelAPI):
             names = [n for n in names if self._fires_from(n, start)]
         store: dict[str, Tensor] = {}
 
+        def kept(x: Tensor) -> Tensor:
+            return x.detach() if device is None else x.detach().to(device)
+
         def save(x: Tensor, hook: HookPoint) -> None:
-            store[hook.name] = x.detach() if device is None else x.detach().to(device)
+            store[hook.name] = kept(x)
 
         def save_grad(grad: Tensor, hook: HookPoint) -> None:
-            name = hook.name + "_grad"
-            store[name] = grad.detach() if device is None else grad.detach().to(device)
+            store[hook.name + "_grad"] = kept(grad)
 
         handles = [self.hook_dict[n].add_hook(save) for n in names]
         if incl_bwd:
