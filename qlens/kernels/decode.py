@@ -11,8 +11,9 @@ from typing import no_type_check
 import triton
 import triton.language as tl
 
-from qlens.kernels.layout_view import INT4, INT8, NVFP4
+from qlens.kernels.layout_view import BNB4, INT4, INT8, NVFP4
 
+BNB4_C = tl.constexpr(BNB4)
 NVFP4_C = tl.constexpr(NVFP4)
 INT4_C = tl.constexpr(INT4)
 INT8_C = tl.constexpr(INT8)
@@ -133,7 +134,8 @@ def decode_packed_halves(
 ):  # fmt: skip
     """float32 ``(W[n, k0 + 2j], W[n, k0 + 2j + 1])`` for ``j < BLOCK_K / 2`` of a 4-bit weight.
 
-    Zero outside the matrix. Both elements of a byte share one group (groups are even).
+    Zero outside the matrix. Both elements of a byte share one group (groups are even). ``BNB4``
+    bytes hold the even element in the high nibble, and codes index the table at ``global_ptr``.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     n_groups = tl.cdiv(K, GROUP_K)
@@ -159,6 +161,9 @@ def decode_packed_halves(
             z = 8
         even = (lo.to(tl.int32) - z).to(tl.float32)
         odd = (hi.to(tl.int32) - z).to(tl.float32)
+    elif FAMILY == BNB4_C:
+        even = tl.load(global_ptr + hi.to(tl.int32))
+        odd = tl.load(global_ptr + lo.to(tl.int32))
     else:
         even = e2m1_to_f32(lo)
         odd = e2m1_to_f32(hi)

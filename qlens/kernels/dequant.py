@@ -87,12 +87,14 @@ def default_launch(n: int) -> DequantLaunch:
 
 def has_dequantize_kernel(payload: QuantPayload) -> bool:
     """Whether ``dequantize_triton`` has a kernel for ``payload``'s format and layout: its
-    format has a Triton dequantize and, where the format has a launch view, the payload fits
-    it."""
+    format has a Triton dequantize and, where that kernel reads the launch view, the payload
+    fits it."""
     support = kernel_support(payload.format.name)
     if support is None or support.triton_dequantize is None:
         return False
-    return support.view is None or unsupported_reason(payload) is None
+    if support.view is None or support.dequantize_reads_any_layout:
+        return True
+    return unsupported_reason(payload) is None
 
 
 def dequantize_triton(

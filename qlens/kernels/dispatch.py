@@ -143,7 +143,7 @@ def dequantized_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` with ``W`` decoded by ``dequantize_triton`` in ``x``'s dtype (bit-exact
     with ``qlens.dequantize``), then a cuBLAS matmul: the GPU route for payloads whose format
-    has a dequantize kernel but no fused linear (bitsandbytes, GGUF, BitNet).
+    has a dequantize kernel but no fused linear (bitsandbytes LLM.int8, GGUF, BitNet).
 
     The payload's values are checked on the first call only (and again once its tensors or
     layout change), so later calls make no device sync."""

@@ -57,11 +57,12 @@ _MAX_KEPT_CALLS = 512
 
 def one_launch_schemes() -> list[str]:
     """The quantize schemes whose experts run in one launch per call (contiguous, packed rows
-    in whole words): those of the formats the fused kernels read, from their codecs."""
-    from qlens.kernels.formats import fused_kernel_formats
+    in whole words): those of the formats whose experts the fused kernels read, from their
+    codecs."""
+    from qlens.kernels.formats import expert_kernel_formats
     from qlens.quant.codecs.registry import codec_for
 
-    return [codec_for(name).scheme or name for name in fused_kernel_formats()]
+    return [codec_for(name).scheme or name for name in expert_kernel_formats()]
 
 
 def expert_views(payload: QuantPayload) -> tuple[QuantPayload, ...]:

@@ -18,7 +18,9 @@ from typing import Any
 
 from torch import Tensor
 
+from qlens.kernels.bnb_view import bnb_4bit_view
 from qlens.kernels.layout_view import (
+    BNB4,
     FP8_BLOCK,
     INT4,
     INT8,
@@ -34,8 +36,10 @@ from qlens.quant.payload import QuantPayload
 
 TritonDequantize = Callable[..., Tensor]
 
-# Formats whose payloads keep their library's own packing, each with a Triton kernel of its own.
+# Formats whose payloads keep their library's own packing, each with a Triton kernel of its own;
+# bitsandbytes' 4-bit ones are read by the fused kernels too (``qlens.kernels.bnb_view``).
 BNB_FORMATS = ("bnb_nf4", "bnb_fp4", "bnb_int8")
+BNB_4BIT_FORMATS = ("bnb_nf4", "bnb_fp4")
 GGUF_KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 GGUF_KERNEL_FORMATS = tuple(gguf_format(t).name for t in GGUF_KERNEL_TYPES)
 BITNET_FORMATS = ("bitnet",)
@@ -45,11 +49,16 @@ BITNET_FORMATS = ("bitnet",)
 class KernelSupport:
     """How the kernels read one format (see the module docstring).
 
-    ``family`` and ``view`` come together or not at all."""
+    ``family`` and ``view`` come together or not at all. ``dequantize_reads_any_layout``: the
+    Triton dequantize also reads payloads the view refuses (a library's own kernel), not only
+    those the fused kernels read. ``stacked_experts``: the view also reads ``[experts, out, in]``
+    payloads (qlens' layouts), so the experts' kernels run the format."""
 
     family: int | None = None
     view: Callable[[QuantPayload], KernelWeight] | None = None
     triton_dequantize: TritonDequantize | None = None
+    dequantize_reads_any_layout: bool = False
+    stacked_experts: bool = True
 
     def __post_init__(self) -> None:
         if (self.family is None) != (self.view is None):
@@ -104,6 +113,15 @@ def fused_kernel_formats() -> list[str]:
     )
 
 
+def expert_kernel_formats() -> list[str]:
+    """The formats whose stacked experts the fused kernels read, sorted."""
+    return sorted(
+        c.name
+        for c in codecs()
+        if isinstance(c.kernels, KernelSupport) and c.kernels.view and c.kernels.stacked_experts
+    )
+
+
 def kernel_families() -> dict[str, int]:
     """Each fused-kernel format's family code, by format name."""
     return {
@@ -120,8 +138,17 @@ def _attach_builtin_formats() -> None:
     for name, family in families.items():
         view = functools.partial(qlens_layout_view, family=family)
         attach_kernel_support(name, KernelSupport(family, view, qlens_layout_dequantize))
+    bnb_dequantize = _Deferred("qlens.kernels.dequant_bnb", "dequantize_bnb_triton")
+    for name in BNB_4BIT_FORMATS:
+        attach_kernel_support(
+            name,
+            KernelSupport(
+                BNB4, bnb_4bit_view, bnb_dequantize,
+                dequantize_reads_any_layout=True, stacked_experts=False,
+            ),
+        )  # fmt: skip
     library_kernels = (
-        (BNB_FORMATS, _Deferred("qlens.kernels.dequant_bnb", "dequantize_bnb_triton")),
+        (("bnb_int8",), bnb_dequantize),
         (GGUF_KERNEL_FORMATS, _Deferred("qlens.kernels.dequant_gguf", "dequantize_gguf_triton")),
         (BITNET_FORMATS, _Deferred("qlens.kernels.dequant_bitnet", "dequantize_bitnet_triton")),
     )

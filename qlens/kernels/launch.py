@@ -14,11 +14,12 @@ from qlens.kernels.weights import KernelWeight
 def kernel_args(w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, scales, zeros, global_scale) pointers; absent tensors are replaced by the scales.
 
-    FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0.
+    FP8 data travels as its uint8 bit pattern so masked loads can fill with +0.0. A 4-bit code
+    table (``BNB4``) travels in the global scale's place.
     """
     data = w.data.view(torch.uint8) if w.data.dtype == torch.float8_e4m3fn else w.data
     zeros = w.zeros if w.zeros is not None else w.scales
-    global_scale = w.global_scale if w.global_scale is not None else w.scales
+    global_scale = next(t for t in (w.global_scale, w.code_table, w.scales) if t is not None)
     return data, w.scales, zeros, global_scale
 
 

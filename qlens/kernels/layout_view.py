@@ -9,9 +9,10 @@ import torch
 from qlens.quant.codecs.checks import ceil_div
 from qlens.quant.payload import QuantPayload
 
-# Format family codes: compile-time constants of the kernels.
-FP8_BLOCK, MXFP8, MXFP4, NVFP4, INT4, INT8 = range(6)
-_PACKED_4BIT = (MXFP4, NVFP4, INT4)
+# Format family codes: compile-time constants of the kernels. BNB4: bitsandbytes' 4-bit codes
+# (high nibble first) looked up in a 16-entry float32 table (``qlens.kernels.bnb_view``).
+FP8_BLOCK, MXFP8, MXFP4, NVFP4, INT4, INT8, BNB4 = range(7)
+_PACKED_4BIT = (MXFP4, NVFP4, INT4, BNB4)
 _FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -20,7 +21,8 @@ class KernelWeight:
     """A 2-D quantized weight ``W[n, k]`` as the kernels address it.
 
     ``group_k`` is the number of consecutive K elements sharing one scale and ``group_n`` the rows
-    sharing it (128 for block FP8, 1 otherwise).
+    sharing it (128 for block FP8, 1 otherwise). ``code_table``: the float32 values that 4-bit
+    codes index (``BNB4`` only; the kernels read it where NVFP4 reads its global scale).
     """
 
     family: int
@@ -35,6 +37,7 @@ class KernelWeight:
     scale_e8m0: bool
     global_divide: bool
     name: str  # the payload's format name
+    code_table: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:

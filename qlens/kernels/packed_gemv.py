@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from qlens.kernels.decode import (
+    BNB4_C,
     INT4_C,
     _expand,
     _group_values,
@@ -155,9 +156,12 @@ def _word_scales(scale_ptr, zero_ptr, global_ptr, offs_n, k0, N, K, stride_s,
 @triton.jit
 @no_type_check
 def _code_values(words, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
-    """Per-word state the eight code decodes share: magic-marked words (int4) or the asm's codes."""
+    """Per-word state the eight code decodes share: magic-marked words (int4), the words
+    (bitsandbytes' codes, looked up one by one) or the asm's codes."""
     if FAMILY == INT4_C:
         return (words | _INT4_MAGIC_C, (words >> 16) | _INT4_MAGIC_C)
+    elif FAMILY == BNB4_C:
+        return words
     elif USE_ASM:
         return tl.inline_asm_elementwise(
             E2M1_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [words], dtype=(tl.float32,) * 8,
@@ -169,9 +173,13 @@ def _code_values(words, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 @no_type_check
-def _code(state, zero, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
-    """Code ``J`` of every word: int4 ``q - zero``, E2M1 ``value * 2**-14`` (exact)."""
-    if FAMILY == INT4_C:
+def _code(state, zero, table_ptr, J: tl.constexpr, FAMILY: tl.constexpr, USE_ASM: tl.constexpr):
+    """Code ``J`` of every word: int4 ``q - zero``, E2M1 ``value * 2**-14`` (exact), bitsandbytes'
+    ``table[q]`` (code ``J`` in byte ``J // 2``, the even one in the high nibble)."""
+    if FAMILY == BNB4_C:
+        SHIFT: tl.constexpr = 8 * (J // 2) + 4 * (1 - J % 2)
+        return tl.load(table_ptr + ((state >> SHIFT) & 0xF).to(tl.int32))
+    elif FAMILY == INT4_C:
         # Code J sits at bits 4 * (J % 4) of the word (after a shift by 16 for the upper four);
         # with the magic bits set the float is 2**23 + q * 16**(J % 4), and one FMA scales it
         # by 16**-(J % 4) and subtracts 2**(23 - 4 * (J % 4)) + zero, exactly.
@@ -240,7 +248,7 @@ def _word_slices(t):
 @no_type_check
 def _true_scale(part, FAMILY: tl.constexpr):
     """A sum of decoded codes times their values: E2M1 codes decode to ``value * 2**-14``."""
-    if FAMILY == INT4_C:
+    if FAMILY == INT4_C or FAMILY == BNB4_C:
         return part
     else:
         return part * _FACTOR_C
@@ -313,7 +321,7 @@ def _fma_quads(
     # when groups are 16 long.
     state = _code_values(words, FAMILY, USE_ASM)
     for j in tl.static_range(8):
-        w0, w1, w2, w3 = _word_slices(_code(state, zero, j, FAMILY, USE_ASM))
+        w0, w1, w2, w3 = _word_slices(_code(state, zero, global_ptr, j, FAMILY, USE_ASM))
         v0, v1, v2, v3 = _word_slices(xs[j])
         if j == 0:
             lo = w0 * v0
@@ -416,8 +424,8 @@ def _dot_tile(
             x = xs[j].to(X_DTYPE)
         else:
             x = tl.load(x_ptrs + j * stride_xj, mask=x_mask, other=0.0).to(X_DTYPE)
-        w = _code(state, zero, j, FAMILY, USE_ASM)
-        if FAMILY == INT4_C:
+        w = _code(state, zero, global_ptr, j, FAMILY, USE_ASM)
+        if FAMILY == INT4_C or FAMILY == BNB4_C:
             w = w * scale
         else:
             w = (w * _FACTOR_C) * scale

@@ -16,7 +16,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.experts import FUSED_EXPERT_ROWS, experts_plan_for
-from qlens.kernels.formats import fused_kernel_formats
+from qlens.kernels.formats import expert_kernel_formats
 from qlens.kernels.gate_rule import GateRule
 from qlens.kernels.op_library import qlens_op
 from qlens.kernels.op_payloads import payload_for_op
@@ -95,7 +95,7 @@ def _gate_of(interleaved: bool, activation: str, alpha: float, limit: float) -> 
 def _fused_decode_formats(first_key: str, down_key: str, device_type: str) -> bool:
     """Whether both projections' formats run the fused decode on a ``device_type`` device (a
     constant of the trace, decided when it is traced)."""
-    readable = fused_kernel_formats()
+    readable = expert_kernel_formats()
     return device_type in FUSED_DECODE_DEVICES and all(
         spec_from_key(key).format.name in readable for key in (first_key, down_key)
     )

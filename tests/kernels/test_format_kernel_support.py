@@ -15,14 +15,25 @@ from qlens.kernels import dequantize_triton, plan, weights
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.formats import (
     BITNET_FORMATS,
+    BNB_4BIT_FORMATS,
     BNB_FORMATS,
     GGUF_KERNEL_FORMATS,
     KernelSupport,
     attach_kernel_support,
+    expert_kernel_formats,
     fused_kernel_formats,
     kernel_support,
 )
-from qlens.kernels.layout_view import FP8_BLOCK, INT4, INT8, MXFP4, MXFP8, NVFP4, qlens_layout_view
+from qlens.kernels.layout_view import (
+    BNB4,
+    FP8_BLOCK,
+    INT4,
+    INT8,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    qlens_layout_view,
+)
 from qlens.kernels.runtime import interpreting
 from qlens.kernels.weights import kernel_weight, unsupported_reason
 from qlens.quant.codecs import registry
@@ -37,14 +48,17 @@ META = torch.device("meta")
 
 
 def test_the_family_codes_are_derived_from_the_codecs():
-    expected = {"fp8_block": FP8_BLOCK, "mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4,
-                "int4": INT4, "int8": INT8}  # fmt: skip
+    qlens_layouts = {"fp8_block": FP8_BLOCK, "mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4,
+                     "int4": INT4, "int8": INT8}  # fmt: skip
+    expected = {**qlens_layouts, "bnb_nf4": BNB4, "bnb_fp4": BNB4}
     assert weights.FAMILIES == expected
-    assert sorted(set(weights.FAMILIES.values())) == list(range(6))
+    assert sorted(set(weights.FAMILIES.values())) == list(range(7))
     assert fused_kernel_formats() == sorted(expected)
+    assert expert_kernel_formats() == sorted(qlens_layouts)  # bitsandbytes has no experts
     for name, family in expected.items():
         support = kernel_support(name)
         assert support is not None and support.family == family and support.view is not None
+        assert support.dequantize_reads_any_layout == (family == BNB4)
 
 
 def test_the_graph_capture_error_names_the_schemes_read_from_the_codecs():
@@ -52,7 +66,7 @@ def test_the_graph_capture_error_names_the_schemes_read_from_the_codecs():
 
     schemes = one_launch_schemes()
     assert sorted(schemes) == ["fp8-block", "int4", "int8", "mxfp4", "mxfp8", "nvfp4"]
-    assert [registry.codec_for(name).scheme for name in fused_kernel_formats()] == schemes
+    assert [registry.codec_for(name).scheme for name in expert_kernel_formats()] == schemes
     message = str(host_routing_under_capture("these experts loop"))
     assert message.startswith("these experts loop, which reads the routing on the host")
     assert f"run in one launch ({', '.join(schemes)}; contiguous" in message
@@ -66,7 +80,7 @@ def test_every_triton_dequantize_is_on_a_registered_codec():
         if isinstance(c.kernels, KernelSupport) and c.kernels.triton_dequantize is not None
     }
     assert with_kernel == library | set(weights.FAMILIES)
-    for name in library:
+    for name in library - set(BNB_4BIT_FORMATS):
         support = kernel_support(name)
         assert support is not None and support.view is None and support.family is None
     assert kernel_support("higgs") is None and kernel_support("not_a_format") is None
@@ -75,8 +89,8 @@ def test_every_triton_dequantize_is_on_a_registered_codec():
 def test_a_format_without_kernels_is_refused_naming_the_formats_that_have_them():
     payload = _relabel(quantize_weight(torch.randn(4, 64), "int8"), "higgs")
     assert unsupported_reason(payload) == (
-        "qlens kernels support the formats ['fp8_block', 'int4', 'int8', 'mxfp4', 'mxfp8', "
-        "'nvfp4'], not 'higgs'; GGUF Q4_0/Q8_0 map onto them exactly with "
+        "qlens kernels support the formats ['bnb_fp4', 'bnb_nf4', 'fp8_block', 'int4', 'int8', "
+        "'mxfp4', 'mxfp8', 'nvfp4'], not 'higgs'; GGUF Q4_0/Q8_0 map onto them exactly with "
         "qlens.quant.codecs.intgroup.repack_to_qlens, other formats need "
         "qlens.kernels.reference_linear (dequantize, then matmul)"
     )

@@ -57,6 +57,12 @@ for scheme, options, row_counts, w8a8 in CASES:
     for rows in row_counts:
         kernels(torch.randn(rows, 4096, dtype=torch.bfloat16))
         compile_recorded(f"{scheme}{' w8a8' if w8a8 else ''} {rows} rows")
+from benchmarks._samples import random_bnb_4bit
+nf4 = plan.LinearPlan(random_bnb_4bit((4096, 4096), 64, nested=False), torch.device("cpu"),
+                      route="kernel")
+for rows in (1, 16, 48):  # bitsandbytes' own bytes: the word-wise GEMV, then the GEMM
+    nf4(torch.randn(rows, 4096, dtype=torch.bfloat16))
+    compile_recorded(f"bnb-nf4 {rows} rows")
 import dataclasses
 chosen = plan._weight_config  # tensor-core rows read as they are (LinearConfig.x_as_is)
 plan._weight_config = lambda *a, **k: dataclasses.replace(chosen(*a, **k), x_as_is=True)
@@ -159,6 +165,11 @@ def test_the_dispatchers_h200_launches_compile_for_sm90_without_spills():
     assert {(r["kernel"], r["x_as_is"]) for r in regrouped if r["use_dot"]} == {
         ("packed_gemv_kernel", False)
     }
+    nf4 = {(r["case"], r["kernel"], r["use_dot"]) for r in results if "bnb-nf4" in r["case"]}
+    assert {  # bitsandbytes' bytes: one row in FMAs, tensor-core rows, then the GEMM
+        ("bnb-nf4 1 rows", "packed_gemv_kernel", False),
+        ("bnb-nf4 16 rows", "packed_gemv_kernel", True),
+    } <= nf4 and any(case == "bnb-nf4 48 rows" for case, _, _ in nf4)
     experts_rows = {
         r["case"]: (r["kernel"], r["use_dot"]) for r in results if "experts" in r["case"]
     }

@@ -81,7 +81,7 @@ def _checked(
     return tensor
 
 
-def _nested_absmax(payload: QuantPayload, n_blocks: int) -> Float[Tensor, " blocks"]:
+def block_absmax(payload: QuantPayload, n_blocks: int) -> Float[Tensor, " blocks"]:
     """Absmax per block, decoding bitsandbytes' nested (double) quantization when present."""
     if payload.scales is not None and payload.scales.dtype == torch.float32:
         return _checked(payload, "scales", payload.scales, torch.float32, (n_blocks,))
@@ -120,7 +120,7 @@ def dequantize_bnb_4bit(payload: QuantPayload, dtype: torch.dtype) -> Float[Tens
     packed = _checked(payload, "data", payload.data, torch.uint8, (ceil_div(numel, 2), 1))
     code = _checked(payload, "extra.code", payload.extras.get("code"), torch.float32, (16,))
     n_blocks = ceil_div(numel, blocksize)
-    absmax = _nested_absmax(payload, n_blocks)
+    absmax = block_absmax(payload, n_blocks)
     nibbles = torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(-1)[:numel]
     values = code[nibbles.long()]
     scale = absmax.repeat_interleave(blocksize)[:numel]
