@@ -17,6 +17,7 @@ export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 set -m
 python -m pytest -q -p no:cacheprovider "$@" \
     tests/kernels/test_gpu_kernels.py \
+    tests/kernels/test_gpu_bnb_kernels.py \
     tests/kernels/test_gpu_fast_launch.py \
     tests/kernels/test_gpu_grouped_experts.py \
     tests/kernels/test_gpu_moe_decode.py \

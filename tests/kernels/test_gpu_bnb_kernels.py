@@ -1,0 +1,83 @@
+"""bitsandbytes NF4/FP4 weights through qlens' fused kernels on a real GPU: payloads and modules
+made by bitsandbytes itself, against the float32 product of their exact weights and against
+bitsandbytes' own forward (skipped without CUDA or bitsandbytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import rel_err
+
+from qlens.kernels.plan import LinearPlan
+from qlens.kernels.runtime import interpreting
+from qlens.quant.dequantize import dequantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or interpreting(),
+        reason="needs a CUDA GPU with TRITON_INTERPRET=0",
+    ),
+]
+bnb = pytest.importorskip("bitsandbytes")
+from qlens.quant.adopt.bnb import payload_from_bnb_4bit  # noqa: E402
+
+# bf16 outputs round at 2**-9 relative; float32 sums over K run on top.
+BF16_TOLERANCE = 8e-3
+
+
+def _payload(quant_type: str, nested: bool, n: int, k: int):
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed, state = bnb.functional.quantize_4bit(
+        weight, blocksize=64, quant_type=quant_type, compress_statistics=nested
+    )
+    return payload_from_bnb_4bit(packed, state), packed, state
+
+
+@pytest.mark.parametrize(("quant_type", "nested"), [("nf4", False), ("nf4", True), ("fp4", False)])
+def test_every_row_count_matches_the_exact_weights_on_gpu(quant_type, nested):
+    payload, packed, state = _payload(quant_type, nested, 1536, 4096)
+    plan = LinearPlan(payload, torch.device("cuda"))
+    assert plan.route == "kernel"
+    weight = dequantize(payload, torch.float32)
+    for rows in (1, 2, 8, 32, 48, 300):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        ours = plan(x)
+        exact = F.linear(x.float(), weight)
+        assert rel_err(ours, exact) < BF16_TOLERANCE, rows
+        own = bnb.matmul_4bit(x, packed.t(), quant_state=state)
+        assert rel_err(own, exact) < BF16_TOLERANCE, rows  # the library agrees with the oracle
+
+
+def test_rerouted_linear4bit_in_cuda_graphs_and_eagerly_on_gpu():
+    import qlens
+
+    torch.manual_seed(0)
+    module = bnb.nn.Linear4bit(4096, 1024, bias=True, compute_dtype=torch.bfloat16,
+                               quant_type="nf4", device="meta")  # fmt: skip
+    module.weight = bnb.nn.Params4bit(
+        torch.randn(1024, 4096) * 0.02, requires_grad=False, quant_type="nf4", module=module
+    ).to("cuda")
+    module.bias = torch.nn.Parameter(torch.randn(1024, device="cuda"), requires_grad=False)
+    holder = torch.nn.ModuleList([module])
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        own = module(x)
+        assert qlens.reroute_quantized_modules(holder, force=True) == ["0"]
+        eager = [module(x[:rows]) for rows in (1, 8)]
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            module(static)  # prepares the launch outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = module(static)
+        static.copy_(torch.randn_like(x))
+        graph.replay()
+        again = module(static)
+    assert rel_err(eager[1], own) < BF16_TOLERANCE and rel_err(eager[0], own[:1]) < BF16_TOLERANCE
+    assert torch.equal(captured, again)  # the graph's launch and the eager one: the same sums
