@@ -48,6 +48,11 @@ TWO_WARP_MAX_PROGRAMS_PER_SM = Tuned(
 TWO_WARP_BLOCK_K = Tuned(
     2048, "tuning/results/gemv_tiles_h200.md § top; tuning/results/quad_tiles_h100.md § top"
 )
+# bitsandbytes' 4-bit codes (looked up in their table) take the packed GEMV up to this many rows;
+# more rows decode the weight once and multiply with cuBLAS: at 32 rows the tensor-core GEMV
+# took 1.4-2.0x the time of the decode and cuBLAS (bitsandbytes' own forward), at one row
+# 1.09-1.22x less.
+BNB4_PACKED_GEMV_MAX_M = Tuned(1, "results/bnb_nf4_linear_h100.md § 2026-12-07 16:58 UTC")
 # One-row GEMVs split K at most this many ways: the split's reducing launch cost more host time
 # than it saved, and unsplit narrow layers ran faster on the GPU too.
 ONE_ROW_GEMV_MAX_SPLIT = Tuned(
@@ -119,4 +124,5 @@ TUNED = {
     "MID_ROWS_GEMM_SPLIT": MID_ROWS_GEMM_SPLIT,
     "ONE_ROW_GEMV_MAX_SPLIT": ONE_ROW_GEMV_MAX_SPLIT,
     "NARROW_BYTE_GEMV_BLOCK_N": NARROW_BYTE_GEMV_BLOCK_N,
+    "BNB4_PACKED_GEMV_MAX_M": BNB4_PACKED_GEMV_MAX_M,
 }

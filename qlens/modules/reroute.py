@@ -23,6 +23,7 @@ import operator
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -248,28 +249,60 @@ def _apply_then_adopt(
 # Payloads adopted from a module, rebuilt whenever one of the module's tensors is replaced,
 # moved or modified in place. Weak keys: the cache never outlives (or is copied with) a module.
 _PLAIN = (int, float, str, bool, type(None), dict, nn.Module)
-_ADOPTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.WeakKeyDictionary()
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Adoption:
+    """What a module's payloads were read from: its own tensors with their data pointers and
+    version counters (bumped by in-place edits), and its other non-plain attributes (e.g.
+    triton_kernels wrappers, quantization states) by name and identity."""
+
+    tensors: tuple[Tensor, ...]
+    stamps: tuple[tuple[int, int], ...]
+    holders: tuple[tuple[str, object], ...]
+    payloads: QuantPayload | dict[str, QuantPayload]
+
+    def current(self, module: nn.Module) -> bool:
+        """Whether ``module`` still holds exactly these tensors, unmodified, and holders: a few
+        identity and counter comparisons a call."""
+        tensors = _own_tensors(module)
+        if len(tensors) != len(self.tensors):
+            return False
+        # Tensor subclasses (bitsandbytes' Params4bit) would route each read through their
+        # __torch_function__, several microseconds apiece.
+        with torch._C.DisableTorchFunctionSubclass():
+            for tensor, kept, (pointer, version) in zip(
+                tensors, self.tensors, self.stamps, strict=True
+            ):
+                if tensor is not kept or tensor._version != version or tensor.data_ptr() != pointer:
+                    return False
+        attributes = module.__dict__
+        return all(attributes.get(name, _MISSING) is value for name, value in self.holders)
+
+
+_ADOPTED: weakref.WeakKeyDictionary[nn.Module, _Adoption] = weakref.WeakKeyDictionary()
 
 
 def _own_tensors(module: nn.Module) -> list[Tensor]:
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    """The module's own parameters and buffers (not its children's)."""
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
 def _adopted(module: nn.Module) -> QuantPayload | dict[str, QuantPayload]:
-    tensors = _own_tensors(module)
-    # Also non-tensor holders (e.g. triton_kernels wrappers, precision configs) by identity.
-    holders = [v for k, v in vars(module).items() if k not in _KEPT and not isinstance(v, _PLAIN)]
-    key = (
-        tuple((t.data_ptr(), t.device, t._version) for t in tensors),
-        tuple(id(v) for v in holders),
-    )
     cached = _ADOPTED.get(module)
-    if cached is not None and cached[0] == key:
-        return cached[1]  # type: ignore[return-value]
+    if cached is not None and cached.current(module):
+        return cached.payloads
+    tensors = tuple(_own_tensors(module))
+    holders = tuple(
+        (k, v) for k, v in vars(module).items() if k not in _KEPT and not isinstance(v, _PLAIN)
+    )
     payloads = adopt.adopt_module(module)
-    _ADOPTED[module] = (key, payloads)
+    with torch._C.DisableTorchFunctionSubclass():
+        stamps = tuple((t.data_ptr(), t._version) for t in tensors)
+    _ADOPTED[module] = _Adoption(tensors, stamps, holders, payloads)
     module.__dict__[_TRACED] = _op_arguments(payloads)
-    module.__dict__[_SOURCES] = tuple(tensors)
+    module.__dict__[_SOURCES] = tensors
     return payloads
 
 
@@ -317,7 +350,8 @@ def _traced_adoption(module: nn.Module) -> Any:
 
 
 def _linear_forward(self: Any, x: Tensor) -> Tensor:
-    bias = getattr(self, "bias", None)
+    parameters = self._parameters  # a registered bias without nn.Module.__getattr__'s cost
+    bias = parameters["bias"] if "bias" in parameters else getattr(self, "bias", None)
     w8a8 = self.__dict__.get(_W8A8, False)
     if torch.compiler.is_compiling():
         tensors, key, _ = _traced_adoption(self)

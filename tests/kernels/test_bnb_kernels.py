@@ -136,3 +136,10 @@ def test_wrong_code_map_is_refused_by_name():
     payload.extras["code"] = payload.extras["code"][:8]
     with pytest.raises(ValueError, match=r"extras\['code'\] must be the 16-entry float32"):
         kernel_weight(payload)
+
+
+def test_one_row_takes_the_packed_gemv_and_more_rows_decode_once():
+    # launch_tables.BNB4_PACKED_GEMV_MAX_M: table lookups on tensor cores lost to cuBLAS.
+    plan = LinearPlan(bnb_payload("nf4", False, 40, 320, 64), torch.device("cpu"), route="kernel")
+    assert plan.config(1).path == "gemv"
+    assert {plan.config(m).path for m in (2, 8, 32, 300)} == {"dequant"}

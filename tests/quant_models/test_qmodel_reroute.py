@@ -298,3 +298,36 @@ def test_an_own_gate_is_fused_only_when_it_computes_silu_times_up() -> None:
     assert not _computes_silu_gate(gate(torch.nn.functional.silu, clamp=7.0))  # a swiglu limit
     assert not _computes_silu_gate(gate(torch.nn.functional.gelu))
     assert not _computes_silu_gate(gate(lambda g: torch.tanh(g / 30) * 30 * torch.sigmoid(g)))
+
+
+def test_rerouted_module_reads_edits_in_place_and_replaced_state(monkeypatch) -> None:
+    """A call checks the module's tensors and states by identity and version counter only: an
+    edit in place or a replaced quantization state is read again at the next call, nothing
+    else re-adopts."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import qlens.quant.adopt as adopt
+
+    adoptions: list[str] = []
+    adopt_module = adopt.adopt_module
+    monkeypatch.setattr(
+        adopt, "adopt_module", lambda module: adoptions.append("x") or adopt_module(module)
+    )
+    layer = bnb.nn.Linear4bit(128, 64, bias=True, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(64, 128) * 0.02, requires_grad=False, quant_type="nf4", module=layer
+    ).to("cpu")  # quantizes
+    layer.bias = nn.Parameter(torch.zeros(64), requires_grad=False)
+    layer.quant_state = SimpleNamespace()  # a module attribute read as state
+    holder = nn.Sequential(layer)
+    assert reroute_quantized_modules(holder, force=True) == ["0"]
+    x = torch.randn(2, 128)
+    first = holder(x)
+    for _ in range(3):
+        assert torch.equal(holder(x), first)
+    assert len(adoptions) == 1
+    with torch.no_grad():
+        layer.bias.add_(1.0)  # the module's own tensor: seen through its version counter
+    assert torch.equal(holder(x), first + 1) and len(adoptions) == 2
+    layer.quant_state = SimpleNamespace()  # a replaced state is read again
+    holder(x)
+    assert len(adoptions) == 3
