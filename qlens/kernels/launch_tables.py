@@ -49,10 +49,12 @@ TWO_WARP_BLOCK_K = Tuned(
     2048, "tuning/results/gemv_tiles_h200.md § top; tuning/results/quad_tiles_h100.md § top"
 )
 # bitsandbytes' 4-bit codes (looked up in their table) take the packed GEMV up to this many rows;
-# more rows decode the weight once and multiply with cuBLAS: at 32 rows the tensor-core GEMV
-# took 1.4-2.0x the time of the decode and cuBLAS (bitsandbytes' own forward), at one row
-# 1.09-1.22x less.
-BNB4_PACKED_GEMV_MAX_M = Tuned(1, "results/bnb_nf4_linear_h100.md § 2026-12-07 16:58 UTC")
+# more rows decode the weight once and multiply with cuBLAS.
+BNB4_PACKED_GEMV_MAX_M = Tuned(
+    1,
+    "results/bnb_nf4_linear_h100.md § 2026-12-07 16:58 UTC; "
+    "results/bnb_nf4_linear_h100.md § 2026-12-07 17:09 UTC",
+)
 # One-row GEMVs split K at most this many ways: the split's reducing launch cost more host time
 # than it saved, and unsplit narrow layers ran faster on the GPU too.
 ONE_ROW_GEMV_MAX_SPLIT = Tuned(
