@@ -412,3 +412,18 @@ def test_ops_take_the_offered_payload_only_for_its_own_tensors() -> None:
     del payload
     gc.collect()  # the offer lasts only as long as its payload
     assert payload_for_op(key, tensors).data is tensors[0]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_rerouted_bitsandbytes_linear_compiles_to_the_eager_output(nested: bool) -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(128, 64, bias=True, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(64, 128) * 0.02, requires_grad=False, quant_type="nf4",
+        compress_statistics=nested, module=layer,
+    ).to("cpu")  # fmt: skip
+    holder = torch.nn.Sequential(layer)
+    assert reroute_quantized_modules(holder, force=True) == ["0"]
+    x = torch.randn(3, 128)
+    compiled = torch.compile(holder, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(compiled, holder(x))
