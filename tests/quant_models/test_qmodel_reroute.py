@@ -331,3 +331,31 @@ def test_rerouted_module_reads_edits_in_place_and_replaced_state(monkeypatch) ->
     layer.quant_state = SimpleNamespace()  # a replaced state is read again
     holder(x)
     assert len(adoptions) == 3
+
+
+def test_bitsandbytes_model_rerouted_after_wrapping_keeps_its_hooks() -> None:
+    """A bridge over a bitsandbytes NF4 model (transformers' loader's modules) keeps their own
+    forward; rerouting afterwards (``force=True``) moves them onto qlens' forward under the same
+    hook points, with the same logits up to the matmul's rounding."""
+    pytest.importorskip("bitsandbytes")
+    import qlens
+    from benchmarks._e2e_models import bnb_quantized
+
+    model = bnb_quantized(make_model("llama"), "bnb-nf4")
+    for module in model.modules():
+        if hasattr(module, "compute_dtype"):
+            module.compute_dtype = torch.float32
+    bridge = qlens.load(model)
+    assert bridge.rerouted == []
+    ids = input_ids()
+    names = "blocks.1.hook_resid_post"
+    own, own_cache = bridge.run_with_cache(ids, names_filter=names)
+    paths = reroute_quantized_modules(bridge.model, force=True)
+    assert len(paths) == 14 and paths[0] == "model.layers.0.self_attn.q_proj"
+    ours, cache = bridge.run_with_cache(ids, names_filter=names)
+    # Both multiply the exact float32 weights in float32, unless bitsandbytes' own CPU kernel
+    # (AVX512-BF16 machines) rounds to bf16 (2**-9 relative).
+    assert ((ours - own).norm() / own.norm()).item() < 1e-2
+    assert ((cache[names] - own_cache[names]).norm() / own_cache[names].norm()).item() < 1e-2
+    restore_own_forward(bridge.model)
+    assert torch.equal(bridge(ids), own)
