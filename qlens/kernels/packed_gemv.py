@@ -1,4 +1,5 @@
-"""Weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4) and a few rows of ``x``.
+"""Weight-only GEMV for packed 4-bit weights (int4, MXFP4, NVFP4, bitsandbytes NF4/FP4) and a
+few rows of ``x``.
 
 The packed weight is read as int32 words of eight codes (16-byte vector loads, no K mask on the
 hot loop) and every code is decoded exactly in a few integer operations:
@@ -10,6 +11,8 @@ hot loop) and every code is decoded exactly in a few integer operations:
   then exactly ``value * 2**-14``. On the GPU one inline-assembly block turns a word into eight
   such values, two per 32-bit register; the interpreter runs the same bit operations one code
   at a time. The factor ``2**14`` is applied with the group scale.
+- bitsandbytes (``BNB4``): each code (the even one of a byte in its high nibble) indexes the
+  16-entry float32 table, one load from L1 a code.
 
 For one row each code meets ``x`` in float32 FMAs; the products of a quad of words (below) are
 summed in two chains, words 0-1 and 2-3, and multiplied by their group scale once per quad
