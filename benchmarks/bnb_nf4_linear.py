@@ -4,7 +4,8 @@ For each 8B decode layer and row count: a bitsandbytes ``Linear4bit`` (NF4, bloc
 compute, as transformers' default ``BitsAndBytesConfig`` builds it) runs its own forward
 (bitsandbytes' one-row GEMV, or dequantize then cuBLAS), then the same modules rerouted with
 ``qlens.reroute_quantized_modules(force=True)`` (qlens' kernels read bitsandbytes' bytes in
-place), against bf16 ``F.linear``. Timed two ways: GPU microseconds from CUDA-graph replays
+place), against bf16 ``F.linear``, and the packed GEMV at every row count (the launch the
+tables would choose without bitsandbytes' one-row rule). Timed two ways: GPU microseconds from CUDA-graph replays
 over enough module copies to exceed the L2 cache, and eager wall and host microseconds of
 back-to-back calls (what a researcher's eager forward pays). The outputs of both forwards are
 compared with the float32 product of the dequantized weight.
@@ -62,6 +63,7 @@ def nf4_modules(weight: torch.Tensor, copies: int, nested: bool) -> list[nn.Modu
 def measure(n: int, k: int, rows: int, nested: bool) -> dict[str, float]:
     """Times (us) and errors of one layer at ``rows`` rows."""
     import qlens
+    from qlens.kernels import choose_config, quantized_linear
     from qlens.quant.adopt import adopt_module
     from qlens.quant.dequantize import dequantize
 
@@ -87,6 +89,13 @@ def measure(n: int, k: int, rows: int, nested: bool) -> dict[str, float]:
         cells["qlens host"], cells["qlens wall"] = host_and_wall_us(
             functools.partial(modules[0], x)
         )
+        # The packed GEMV on these rows, as the launch tables would give it without the
+        # bitsandbytes rule (BNB4_PACKED_GEMV_MAX_M): the evidence for that rule.
+        payloads = [adopt_module(m) for m in modules]
+        packed = choose_config(rows, n, k, x.device, packed_words=True)
+        cells["packed gpu"] = time_graph(
+            [functools.partial(quantized_linear, x, p, config=packed) for p in payloads]
+        )
     cells["bnb err"], cells["qlens err"] = rel_err(own, exact), rel_err(ours, exact)
     return cells
 
@@ -103,9 +112,10 @@ def main() -> None:
         "Ratios: bnb's time / qlens' (x > 1: qlens faster), bf16's time / qlens'.",
         "",
         "| layer N x K | rows | bf16 GPU us | bnb GPU us | qlens GPU us | GPU vs bnb | GPU vs bf16 "
+        "| packed GEMV GPU us "
         "| bf16 wall us | bnb wall us | qlens wall us | wall vs bnb | wall vs bf16 | bf16 host us "
         "| bnb host us | qlens host us | bnb rel err | qlens rel err |",
-        "|---" * 17 + "|",
+        "|---" * 18 + "|",
     ]  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):
         for n, k in DECODE_LAYERS_8B:
@@ -113,7 +123,8 @@ def main() -> None:
             lines.append(
                 f"| {n} x {k} | {rows} | {c['bf16 gpu']:.1f} | {c['bnb gpu']:.1f} | "
                 f"{c['qlens gpu']:.1f} | {c['bnb gpu'] / c['qlens gpu']:.2f}x | "
-                f"{c['bf16 gpu'] / c['qlens gpu']:.2f}x | {c['bf16 wall']:.1f} | "
+                f"{c['bf16 gpu'] / c['qlens gpu']:.2f}x | {c['packed gpu']:.1f} | "
+                f"{c['bf16 wall']:.1f} | "
                 f"{c['bnb wall']:.1f} | {c['qlens wall']:.1f} | "
                 f"{c['bnb wall'] / c['qlens wall']:.2f}x | {c['bf16 wall'] / c['qlens wall']:.2f}x | "
                 f"{c['bf16 host']:.1f} | {c['bnb host']:.1f} | {c['qlens host']:.1f} | "
