@@ -65,10 +65,7 @@ def _fire_side(
     point = points.get(name)
     if point is None or not point.is_active:
         return x, True
-    shaped = x
-    if shape is not None and x.ndim == 2:
-        reshaped = x.reshape(*shape(), x.shape[-1])
-        shaped = reshaped if reshaped.ndim == 3 else x
+    shaped = _as_shown(x, shape)
     grad = wants_grad(points, name)
     if grad:
         shaped = observed(shaped)
@@ -85,13 +82,22 @@ def _fire(
     point = points.get(name) if name is not None else None
     if point is None or not point.is_active:
         return x
+    shaped = _as_shown(x, shape)
+    new = point(shaped)
+    if shaped is x:
+        return new
+    keep = new is shaped and not wants_grad(points, point.name)
+    return x if keep else new.reshape(x.shape)
+
+
+def _as_shown(x: Tensor, shape: Callable[[], tuple[int, ...]] | None) -> Tensor:
+    """``x`` as hooks see it: a token-flattened 2-D tensor as [batch pos ...] when ``shape``
+    gives [batch pos], else ``x`` itself."""
     if shape is not None and x.ndim == 2:
         shaped = x.reshape(*shape(), x.shape[-1])
         if shaped.ndim == 3:
-            new = point(shaped)
-            keep = new is shaped and not wants_grad(points, point.name)
-            return x if keep else new.reshape(x.shape)
-    return point(x)
+            return shaped
+    return x
 
 
 def norm_eps(module: nn.Module) -> float:
