@@ -82,6 +82,10 @@ PACKED_GEMV_MAX_M = launch_tables.PACKED_GEMV_MAX_M.value
 INT4_PACKED_GEMV_MAX_M = launch_tables.INT4_PACKED_GEMV_MAX_M.value
 MID_ROWS_GEMM_SPLIT = launch_tables.MID_ROWS_GEMM_SPLIT.value
 ONE_ROW_GEMV_MAX_SPLIT = launch_tables.ONE_ROW_GEMV_MAX_SPLIT.value
+BNB4_PACKED_GEMV_MAX_M = launch_tables.BNB4_PACKED_GEMV_MAX_M.value
+# Table-indexed codes past BNB4_PACKED_GEMV_MAX_M rows: decoded once (tiles of the dequantize
+# kernel's default), then cuBLAS.
+DECODED_ROWS_CONFIG = LinearConfig("dequant", 16, 16, 16)
 
 
 def _next_pow2(x: int) -> int:
@@ -146,17 +150,22 @@ def choose_config(
     w8a8: bool = False,
     packed_words: bool = False,
     int4: bool = False,
+    table_codes: bool = False,
 ) -> LinearConfig:
     """The launch for an ``[m, k] x [n, k]^T`` product on ``device`` (weight-only or W8A8).
 
     ``packed_words``: the weight takes the word-wise GEMV (``qlens.kernels.gemv.word_view``);
-    ``int4``: its words hold symmetric int4 codes, which take the packed GEMV up to more rows.
+    ``int4``: its words hold symmetric int4 codes, which take the packed GEMV up to more rows;
+    ``table_codes``: its codes index a table (bitsandbytes), which takes the packed GEMV up to
+    ``BNB4_PACKED_GEMV_MAX_M`` rows only and beyond decodes the weight once for cuBLAS.
     Choices are kept per shape and device (an eager call pays a dictionary lookup, not the table
     walk: on the H200 host the walk took about 60 us a call). W8A8's single row takes the
     weight-only GEMV, which reads it rounded to FP8 (one launch, no quantizing one).
     """
     if w8a8 and m == 1:
         w8a8 = False
+    if table_codes and m > BNB4_PACKED_GEMV_MAX_M:
+        return DECODED_ROWS_CONFIG
     if interpreting():
         gemv_less = w8a8 and m <= SPLITK_MAX_M  # W8A8 has no GEMV: its decode path is split-K
         return interpreter_config(m, n, k, "splitk" if gemv_less else None)

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from qlens.kernels import launch_tables
 from qlens.kernels.configs import LinearConfig, choose_config
 from qlens.kernels.layout_view import BNB4, INT4
 from qlens.kernels.runtime import kernel_device_problem, require_kernel_device
@@ -22,8 +21,6 @@ from qlens.kernels.weights import (
 from qlens.quant.payload import QuantPayload
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BNB4_PACKED_GEMV_MAX_M = launch_tables.BNB4_PACKED_GEMV_MAX_M.value
-BNB4_ROWS_CONFIG = LinearConfig("dequant", 16, 16, 16)
 
 
 def supports(payload: QuantPayload, device: torch.device | str) -> bool:
@@ -56,12 +53,13 @@ def _weight_config(
     """``default_config`` for the payload's launch view ``w``."""
     from qlens.kernels.packed_words import word_view
 
-    if w.family == BNB4 and m > BNB4_PACKED_GEMV_MAX_M:
-        return BNB4_ROWS_CONFIG  # decoded once, then cuBLAS (launch_tables.py)
     packed_words = words and not w8a8 and word_view(w) is not None
     # Symmetric int4 only: the packed GEMV's longer reach was measured without zero points.
     int4 = w.family == INT4 and w.zeros is None
-    config = choose_config(m, w.n, w.k, device, w8a8=w8a8, packed_words=packed_words, int4=int4)
+    config = choose_config(
+        m, w.n, w.k, device, w8a8=w8a8, packed_words=packed_words, int4=int4,
+        table_codes=w.family == BNB4,
+    )  # fmt: skip
     return config if words else replace(config, words=False)
 
 

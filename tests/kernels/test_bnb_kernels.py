@@ -11,6 +11,7 @@ from kernel_cases import rel_err
 
 from benchmarks._samples import random_bnb_4bit
 from qlens.kernels import LinearConfig
+from qlens.kernels.configs import DECODED_ROWS_CONFIG, choose_config
 from qlens.kernels.dequant import dequantize_view, has_dequantize_kernel
 from qlens.kernels.dispatch import launch_kernel
 from qlens.kernels.gemv import word_view
@@ -143,3 +144,7 @@ def test_one_row_takes_the_packed_gemv_and_more_rows_decode_once():
     plan = LinearPlan(bnb_payload("nf4", False, 40, 320, 64), torch.device("cpu"), route="kernel")
     assert plan.config(1).path == "gemv"
     assert {plan.config(m).path for m in (2, 8, 32, 300)} == {"dequant"}
+    # The rule is choose_config's, whatever the tables: other codes keep their paths.
+    cpu = torch.device("cpu")
+    assert choose_config(2, 40, 320, cpu, table_codes=True) == DECODED_ROWS_CONFIG
+    assert choose_config(2, 40, 320, cpu).path != "dequant"
