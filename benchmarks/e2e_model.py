@@ -4,8 +4,8 @@ Random-weight bf16 models (SDPA attention) of Llama-3.2-1B and Llama-3.1-8B shap
 Qwen3-30B-A3B-like MoE (24 layers, 64 experts, top-8), built on the GPU; each qlens scheme
 quantizes the bf16 model with ``qlens.quantize(model, scheme)``, and bitsandbytes NF4 and
 LLM.int8 (when ``import bitsandbytes`` works) swap its linears for bitsandbytes' own modules, as
-transformers' loader does; ``bnb-nf4-qlens`` is the NF4 model with its modules rerouted through
-qlens' kernels (``qlens.reroute_quantized_modules(model, force=True)``). Everything runs in one
+transformers' loader does; ``bnb-nf4-qlens`` and ``bnb-int8-qlens`` are those models with their
+modules rerouted through qlens' kernels (``qlens.reroute_quantized_modules(model, force=True)``). Everything runs in one
 process, bf16 first. Per model:
 
 - weights: GiB of parameters and buffers (bitsandbytes: with their quantization states);
@@ -58,8 +58,9 @@ from benchmarks._timing import header, median_wall_s, publish, select_schemes  #
 
 PROMPT_TOKENS = 32
 BNB_SCHEMES = ("bnb-nf4", "bnb-int8")
-# bitsandbytes NF4 modules rerouted through qlens' kernels (``reroute_quantized_modules(force=True)``).
-NF4_REROUTED = "bnb-nf4-qlens"
+# bitsandbytes models with their modules rerouted through qlens' kernels
+# (``reroute_quantized_modules(force=True)``), by the bitsandbytes row they start from.
+BNB_REROUTED = {"bnb-nf4-qlens": "bnb-nf4", "bnb-int8-qlens": "bnb-int8"}
 # qlens rows beyond the quantize schemes: block FP8 with FP8 activations (``qlens.set_w8a8``).
 W8A8_SCHEME = "fp8-block-w8a8"
 DEFAULT_COMPILE = ("bf16", "int4", "bnb-nf4")
@@ -393,8 +394,8 @@ def maker(base: nn.Module, scheme: str) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         if scheme in BNB_SCHEMES:
             return bnb_quantized(base, scheme)
-        if scheme == NF4_REROUTED:
-            model = bnb_quantized(base, "bnb-nf4")
+        if scheme in BNB_REROUTED:
+            model = bnb_quantized(base, BNB_REROUTED[scheme])
             qlens.reroute_quantized_modules(model, force=True)
             return model
         if scheme == W8A8_SCHEME:
@@ -573,13 +574,13 @@ def available_schemes(names: str | None) -> list[str]:
     ``--schemes``, whose unknown names are an error."""
     from qlens.modules.model_quantize import SCHEMES
 
-    known = [*SCHEMES, W8A8_SCHEME, *BNB_SCHEMES, NF4_REROUTED]
+    known = [*SCHEMES, W8A8_SCHEME, *BNB_SCHEMES, *BNB_REROUTED]
     if names is not None:
         unknown = sorted(set(names.split(",")) - set(known) - {"bf16"})
         if unknown:
             raise SystemExit(f"unknown --schemes {unknown}; choose from {', '.join(known)}")
-    peers = [*BNB_SCHEMES, NF4_REROUTED] if bnb_importable() else []
-    if names is not None and not peers and set(names.split(",")) & {*BNB_SCHEMES, NF4_REROUTED}:
+    peers = [*BNB_SCHEMES, *BNB_REROUTED] if bnb_importable() else []
+    if names is not None and not peers and set(names.split(",")) & {*BNB_SCHEMES, *BNB_REROUTED}:
         raise SystemExit("--schemes names bitsandbytes peers, but `import bitsandbytes` fails")
     chosen = select_schemes([(s, {}) for s in [*SCHEMES, W8A8_SCHEME, *peers]], names)
     return [scheme for scheme, _ in chosen]

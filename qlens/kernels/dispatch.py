@@ -146,7 +146,8 @@ def dequantized_linear(
 ) -> Float[Tensor, "*batch n"]:
     """``x @ W.T + bias`` with ``W`` decoded by ``dequantize_triton`` in ``x``'s dtype (bit-exact
     with ``qlens.dequantize``), then a cuBLAS matmul: the GPU route for payloads whose format
-    has a dequantize kernel but no fused linear (bitsandbytes LLM.int8, GGUF, BitNet).
+    has a dequantize kernel but no fused linear (GGUF Q4_1/Q5_0/Q5_1, BitNet), or a layout the
+    fused kernels refuse (bitsandbytes 4-bit blocks straddling rows).
 
     The payload's values are checked on the first call only (and again once its tensors or
     layout change), so later calls make no device sync."""

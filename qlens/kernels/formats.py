@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from qlens.kernels.bnb_view import bnb_4bit_view
+from qlens.kernels.bnb_view import bnb_4bit_view, bnb_int8_view
 from qlens.kernels.layout_view import (
     BNB4,
     FP8_BLOCK,
@@ -37,7 +37,7 @@ from qlens.quant.payload import QuantPayload
 TritonDequantize = Callable[..., Tensor]
 
 # Formats whose payloads keep their library's own packing, each with a Triton kernel of its own;
-# bitsandbytes' 4-bit ones are read by the fused kernels too (``qlens.kernels.bnb_view``).
+# bitsandbytes' are read by the fused kernels too (``qlens.kernels.bnb_view``).
 BNB_FORMATS = ("bnb_nf4", "bnb_fp4", "bnb_int8")
 BNB_4BIT_FORMATS = ("bnb_nf4", "bnb_fp4")
 GGUF_KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
@@ -147,8 +147,14 @@ def _attach_builtin_formats() -> None:
                 dequantize_reads_any_layout=True, stacked_experts=False,
             ),
         )  # fmt: skip
+    attach_kernel_support(
+        "bnb_int8",
+        KernelSupport(
+            INT8, bnb_int8_view, bnb_dequantize,
+            dequantize_reads_any_layout=True, stacked_experts=False,
+        ),
+    )  # fmt: skip
     library_kernels = (
-        (("bnb_int8",), bnb_dequantize),
         (GGUF_KERNEL_FORMATS, _Deferred("qlens.kernels.dequant_gguf", "dequantize_gguf_triton")),
         (BITNET_FORMATS, _Deferred("qlens.kernels.dequant_bitnet", "dequantize_bitnet_triton")),
     )

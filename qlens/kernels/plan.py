@@ -228,9 +228,9 @@ def linear(
 
     The one dispatcher: on an accelerator, the fused kernels (``quantized_linear``) for the
     formats they read, a Triton dequantize then cuBLAS for formats with only a dequantize kernel
-    (bitsandbytes LLM.int8, GGUF, BitNet), the torch reference otherwise (logged once per
-    format); on the CPU, the torch reference (``reference_linear``). The choice and the checked launch view are
-    made on the first call and kept on the payload. ``w8a8`` (FP8 activations for block FP8
+    (GGUF, BitNet), the torch reference otherwise (logged once per format); on the CPU, the
+    torch reference (``reference_linear``). The choice and the checked launch view are made on
+    the first call and kept on the payload. ``w8a8`` (FP8 activations for block FP8
     weights): see :class:`LinearPlan`.
     """
     return plan_for(payload, x.device, w8a8=w8a8)(x, bias)

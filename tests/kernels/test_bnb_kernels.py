@@ -1,6 +1,6 @@
-"""bitsandbytes 4-bit (NF4/FP4) weights in qlens' fused kernels (Triton interpreter): their own
-bytes read in place as family ``BNB4``, every launch path against the codec's weights, and the
-payloads the kernels refuse routed to the dequantize kernel."""
+"""bitsandbytes weights in qlens' fused kernels (Triton interpreter): 4-bit NF4/FP4 bytes read in
+place as family ``BNB4`` and LLM.int8 rows as family ``INT8``, every launch path against the
+codec's weights, and the payloads the kernels refuse routed to the dequantize kernel."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import rel_err
 
-from benchmarks._samples import random_bnb_4bit
+from benchmarks._samples import random_bnb_4bit, random_bnb_int8
 from qlens.kernels import LinearConfig
 from qlens.kernels.configs import DECODED_ROWS_CONFIG, choose_config
 from qlens.kernels.dequant import dequantize_view, has_dequantize_kernel
 from qlens.kernels.dispatch import launch_kernel
 from qlens.kernels.gemv import word_view
-from qlens.kernels.layout_view import BNB4
+from qlens.kernels.layout_view import BNB4, INT8
 from qlens.kernels.plan import LinearPlan
 from qlens.kernels.weights import kernel_weight, unsupported_reason
 from qlens.quant.dequantize import dequantize
@@ -23,6 +23,7 @@ from qlens.quant.payload import QuantPayload
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 from qlens.quant.adopt.bnb import payload_from_bnb_4bit  # noqa: E402
+from qlens.quant.codecs.bnb import BNB_INT8  # noqa: E402
 
 # Relative error of a float32 product against the float64 one of the same weights: float32
 # accumulation over K <= 512 terms of unit-scale products (a few ulps times sqrt(K)).
@@ -148,3 +149,84 @@ def test_one_row_takes_the_packed_gemv_and_more_rows_decode_once():
     cpu = torch.device("cpu")
     assert choose_config(2, 40, 320, cpu, table_codes=True) == DECODED_ROWS_CONFIG
     assert choose_config(2, 40, 320, cpu).path != "dequant"
+
+
+# ---- LLM.int8 ----------------------------------------------------------------------------------
+
+
+def int8_payload(n: int, k: int) -> QuantPayload:
+    """A payload of a random ``[n, k]`` weight (rows of very different scales) quantized by
+    bitsandbytes' own ``int8_vectorwise_quant`` (on the CPU)."""
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
+    q, scb, _ = bnb_functional.int8_vectorwise_quant(weight)
+    return QuantPayload(BNB_INT8, q, (n, k), scales=scb, layout={"packing": "bitsandbytes"})
+
+
+# K a multiple of every tile, K of no power of two, K over several tiles
+INT8_SHAPES = [(40, 320), (24, 100), (33, 512)]
+
+
+def test_int8_rows_are_read_in_place_with_one_multiplier_a_row():
+    payload = int8_payload(40, 320)
+    view = kernel_weight(payload)
+    assert view.family == INT8 and not view.packed
+    assert (view.group_n, view.group_k) == (1, 512)  # one group spans each row
+    assert view.data.data_ptr() == payload.data.data_ptr()
+    assert view.scales.shape == (40, 1) and view.scales.dtype == torch.float32
+    # SCB / 127 with bitsandbytes' constant; the codec multiplies in the other order, one
+    # float32 rounding apart
+    weight = view.data.float() * view.scales
+    expected = dequantize(payload, torch.float32)
+    torch.testing.assert_close(weight, expected, rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_int8_every_launch_path_matches_the_codec(shape):
+    payload = int8_payload(*shape)
+    view = kernel_weight(payload)
+    n, k = shape
+    weight = dequantize(payload, torch.float32).double()
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(n, generator=gen)
+    for path, rows, split, block_n, block_k in LAUNCHES:
+        x = torch.randn(rows, k, generator=gen)
+        cfg = LinearConfig(path, 16, block_n, block_k, split_k=split)
+        out = launch_kernel(x, view, bias, cfg)
+        assert rel_err(out, F.linear(x.double(), weight, bias.double())) < F32_TOLERANCE, path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_dequantize_path_is_one_float32_rounding_from_the_codec(dtype):
+    for shape in INT8_SHAPES:
+        payload = random_bnb_int8(*shape, seed=shape[1])
+        got = dequantize_view(kernel_weight(payload), torch.float32)
+        torch.testing.assert_close(got, dequantize(payload, torch.float32), rtol=2**-22, atol=0)
+        if dtype != torch.float32:  # rounded once more: at most one step of the narrow type
+            narrow = dequantize_view(kernel_weight(payload), dtype)
+            step = torch.finfo(dtype).eps
+            torch.testing.assert_close(narrow, dequantize(payload, dtype), rtol=step, atol=0)
+
+
+def test_int8_bf16_rows_through_the_plan_match_the_codec():
+    payload = int8_payload(40, 320)
+    plan = LinearPlan(payload, torch.device("cpu"), route="kernel")
+    assert plan.config(1).path == "gemv"  # the byte-wise GEMV, as qlens' own int8
+    weight = dequantize(payload, torch.bfloat16).double()
+    for rows in (1, 2, 40):
+        x = torch.randn(rows, 320).bfloat16()
+        out = plan(x)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, F.linear(x.double(), weight)) < 4e-3, rows
+
+
+def test_int8_malformed_payloads_are_refused_by_name():
+    payload = int8_payload(8, 64)
+    payload.scales = payload.scales.double()
+    with pytest.raises(ValueError, match="scales must be the 8 float32 row absmax"):
+        kernel_weight(payload)
+    strided = random_bnb_int8(64, 8)
+    strided.data = strided.data.T.contiguous().T  # column-major storage
+    reason = unsupported_reason(strided)
+    assert reason is not None and "data must be row-major (contiguous)" in reason
+    assert has_dequantize_kernel(strided)  # bitsandbytes' dequantize kernel reads any strides

@@ -15,7 +15,6 @@ from qlens.kernels import dequantize_triton, plan, weights
 from qlens.kernels.dequant import has_dequantize_kernel
 from qlens.kernels.formats import (
     BITNET_FORMATS,
-    BNB_4BIT_FORMATS,
     BNB_FORMATS,
     GGUF_KERNEL_FORMATS,
     KernelSupport,
@@ -50,7 +49,7 @@ META = torch.device("meta")
 def test_the_family_codes_are_derived_from_the_codecs():
     qlens_layouts = {"fp8_block": FP8_BLOCK, "mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4,
                      "int4": INT4, "int8": INT8}  # fmt: skip
-    expected = {**qlens_layouts, "bnb_nf4": BNB4, "bnb_fp4": BNB4}
+    expected = {**qlens_layouts, "bnb_nf4": BNB4, "bnb_fp4": BNB4, "bnb_int8": INT8}
     assert weights.FAMILIES == expected
     assert sorted(set(weights.FAMILIES.values())) == list(range(7))
     assert fused_kernel_formats() == sorted(expected)
@@ -58,7 +57,8 @@ def test_the_family_codes_are_derived_from_the_codecs():
     for name, family in expected.items():
         support = kernel_support(name)
         assert support is not None and support.family == family and support.view is not None
-        assert support.dequantize_reads_any_layout == (family == BNB4)
+        assert support.dequantize_reads_any_layout == (name in BNB_FORMATS)
+        assert support.stacked_experts == (name in qlens_layouts)
 
 
 def test_the_graph_capture_error_names_the_schemes_read_from_the_codecs():
@@ -80,7 +80,7 @@ def test_every_triton_dequantize_is_on_a_registered_codec():
         if isinstance(c.kernels, KernelSupport) and c.kernels.triton_dequantize is not None
     }
     assert with_kernel == library | set(weights.FAMILIES)
-    for name in library - set(BNB_4BIT_FORMATS):
+    for name in library - set(BNB_FORMATS):
         support = kernel_support(name)
         assert support is not None and support.view is None and support.family is None
     assert kernel_support("higgs") is None and kernel_support("not_a_format") is None
@@ -89,8 +89,8 @@ def test_every_triton_dequantize_is_on_a_registered_codec():
 def test_a_format_without_kernels_is_refused_naming_the_formats_that_have_them():
     payload = _relabel(quantize_weight(torch.randn(4, 64), "int8"), "higgs")
     assert unsupported_reason(payload) == (
-        "qlens kernels support the formats ['bnb_fp4', 'bnb_nf4', 'fp8_block', 'int4', 'int8', "
-        "'mxfp4', 'mxfp8', 'nvfp4'], not 'higgs'; GGUF Q4_0/Q8_0 map onto them exactly with "
+        "qlens kernels support the formats ['bnb_fp4', 'bnb_int8', 'bnb_nf4', 'fp8_block', 'int4', "
+        "'int8', 'mxfp4', 'mxfp8', 'nvfp4'], not 'higgs'; GGUF Q4_0/Q8_0 map onto them exactly with "
         "qlens.quant.codecs.intgroup.repack_to_qlens, other formats need "
         "qlens.kernels.reference_linear (dequantize, then matmul)"
     )

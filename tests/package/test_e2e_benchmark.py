@@ -151,6 +151,21 @@ def test_the_w8a8_row_is_block_fp8_with_fp8_activations():
     assert e2e_model.W8A8_SCHEME in e2e_model.available_schemes(None)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "module"), [("bnb-nf4-qlens", "Linear4bit"), ("bnb-int8-qlens", "Linear8bitLt")]
+)
+def test_the_rerouted_bitsandbytes_rows_run_qlens_forward_on_bitsandbytes_modules(scheme, module):
+    bnb = pytest.importorskip("bitsandbytes")
+    from qlens.modules.reroute import rerouted_payloads
+
+    base = models.build_model(models.shapes(True, None)["1b"], torch.device("cpu"))
+    model = e2e_model.maker(base, scheme)()
+    quantized = [m for m in model.modules() if isinstance(m, getattr(bnb.nn, module))]
+    assert len(quantized) == 14
+    assert all(rerouted_payloads(m) is not None for m in quantized)
+    assert scheme in e2e_model.available_schemes(None)
+
+
 def test_unknown_scheme_is_an_error_naming_the_choices():
     with pytest.raises(SystemExit, match=r"unknown --schemes \['int3'\]; choose from fp8-block"):
         e2e_model.available_schemes("int4,int3")

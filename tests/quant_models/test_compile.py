@@ -427,3 +427,16 @@ def test_rerouted_bitsandbytes_linear_compiles_to_the_eager_output(nested: bool)
     x = torch.randn(3, 128)
     compiled = torch.compile(holder, backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(compiled, holder(x))
+
+
+def test_rerouted_bitsandbytes_int8_linear_compiles_to_the_eager_output() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear8bitLt(128, 64, bias=True, has_fp16_weights=False)
+    layer.weight = bnb.nn.Int8Params(
+        torch.randn(64, 128) * 0.02, requires_grad=False, has_fp16_weights=False
+    ).to("cpu")
+    holder = torch.nn.Sequential(layer)
+    assert reroute_quantized_modules(holder, force=True) == ["0"]
+    x = torch.randn(3, 128)
+    compiled = torch.compile(holder, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(compiled, holder(x))
