@@ -170,9 +170,9 @@ def test_quads_lead_up_to_triton_3_6_only():
 def test_rows_read_as_they_are_give_the_regrouped_rows_products(family, monkeypatch):
     """``x_as_is``: rows on tensor cores split by code position in the kernel's registers,
     with no copy before the launch, give what the regrouped rows give, bit for bit (the same
-    products, summed in the same order), over K tails (1064 = 8 x 128 + 40), K splits and a
+    products, summed in the same order), over K tails (296 = 2 x 128 + 40), K splits and a
     partial tile of rows; float32 and bf16 rows."""
-    payload = quantized(40, 1064, family)
+    payload = quantized(40, 296, family)
     view = kernel_weight(payload)
     regrouped: list[int] = []
     permute = gemv.permute_codes
@@ -180,7 +180,7 @@ def test_rows_read_as_they_are_give_the_regrouped_rows_products(family, monkeypa
     bias = torch.randn(40)
     for dtype in (torch.float32, torch.bfloat16):
         for m, split, block_k in ((3, 1, 128), (16, 2, 256), (20, 3, 64)):
-            x = torch.randn(m, 1064).to(dtype)
+            x = torch.randn(m, 296).to(dtype)
             outs = []
             for as_is in (False, True):
                 cfg = LinearConfig("gemv", 16, 16, block_k, split_k=split, x_as_is=as_is)
@@ -197,7 +197,7 @@ def test_k_splits_summed_in_the_kernel_give_the_reducing_launchs_output(family, 
     last program of each tile, in split order), bit for bit as the reducing launch does, in
     one launch a call, and leave their tile counters at zero; rows as they are and
     regrouped, bias or none, a partial tile of rows, float32 and bf16."""
-    payload = quantized(40, 1064, family)
+    payload = quantized(40, 296, family)
     view = kernel_weight(payload)
     launched: list[str] = []
     for name in ("PACKED_GEMV",):
@@ -213,7 +213,7 @@ def test_k_splits_summed_in_the_kernel_give_the_reducing_launchs_output(family, 
     )
     for dtype in (torch.float32, torch.bfloat16):
         for m, split, as_is, bias in ((16, 2, True, None), (20, 3, False, torch.randn(40))):
-            x = torch.randn(m, 1064).to(dtype)
+            x = torch.randn(m, 296).to(dtype)
             outs = {}
             for summed in (False, True):
                 cfg = LinearConfig(
@@ -236,7 +236,7 @@ def test_by_default_eager_calls_sum_their_splits_and_graph_captures_reduce_them(
     (``x_as_is=None``): the first call (regrouped, compiling that launch) and calls while a
     graph captures take the regrouped launch and the reducing one; other calls one launch that
     sums its splits; all bit for bit the same."""
-    payload = quantized(40, 1064, ("nvfp4", {}))
+    payload = quantized(40, 296, ("nvfp4", {}))
     view = kernel_weight(payload)
     launched: list[str] = []
     prepared_call = splits.PreparedLaunch.__call__
@@ -249,7 +249,7 @@ def test_by_default_eager_calls_sum_their_splits_and_graph_captures_reduce_them(
     monkeypatch.setattr(gemv, "capturing_cuda_graph", lambda device: capturing[0])
     cfg = LinearConfig("gemv", 16, 16, 64, split_k=3)
     launch = gemv.PackedGemv(view, word_view(view), 20, torch.bfloat16, False, cfg)
-    x = torch.randn(20, 1064).to(torch.bfloat16)
+    x = torch.randn(20, 296).to(torch.bfloat16)
     outs = []
     for capture in (False, False, True, False):
         capturing[0] = capture
