@@ -29,9 +29,8 @@ def _expect(cond: bool, payload: QuantPayload, what: str) -> None:
         raise ValueError(f"qlens kernels cannot read this {payload.format.name} payload: {what}")
 
 
-def bnb_4bit_view(payload: QuantPayload) -> KernelWeight:
-    """Check a ``bnb_nf4``/``bnb_fp4`` payload and return its launch view (no copy of the codes;
-    a nested absmax decoded to float32); raises a ValueError naming what does not match."""
+def _linear_shape(payload: QuantPayload) -> tuple[int, int]:
+    """``[out, in]`` of a bitsandbytes-packed 2-D payload (raises for another packing or rank)."""
     packing = payload.layout.get("packing")
     _expect(packing == PACKING, payload, f"layout packing is {packing!r}, not {PACKING!r}")
     _expect(
@@ -40,6 +39,13 @@ def bnb_4bit_view(payload: QuantPayload) -> KernelWeight:
         f"logical shape {list(payload.shape)} is not a 2-D [out, in] linear weight",
     )
     n, k = (int(s) for s in payload.shape)
+    return n, k
+
+
+def bnb_4bit_view(payload: QuantPayload) -> KernelWeight:
+    """Check a ``bnb_nf4``/``bnb_fp4`` payload and return its launch view (no copy of the codes;
+    a nested absmax decoded to float32); raises a ValueError naming what does not match."""
+    n, k = _linear_shape(payload)
     blocksize = int(payload.format.block[1])
     _expect(
         k % blocksize == 0,
@@ -83,14 +89,7 @@ def bnb_4bit_view(payload: QuantPayload) -> KernelWeight:
 def bnb_int8_view(payload: QuantPayload) -> KernelWeight:
     """Check a ``bnb_int8`` payload and return its launch view: the int8 rows in place, one
     float32 multiplier ``SCB / 127`` a row; raises a ValueError naming what does not match."""
-    packing = payload.layout.get("packing")
-    _expect(packing == PACKING, payload, f"layout packing is {packing!r}, not {PACKING!r}")
-    _expect(
-        len(payload.shape) == 2,
-        payload,
-        f"logical shape {list(payload.shape)} is not a 2-D [out, in] linear weight",
-    )
-    n, k = (int(s) for s in payload.shape)
+    n, k = _linear_shape(payload)
     data, scb = payload.data, payload.scales
     _expect(
         data.dtype == torch.int8 and tuple(data.shape) == (n, k),

@@ -41,6 +41,19 @@ def bnb_payload(quant_type: str, nested: bool, n: int, k: int, blocksize: int) -
     return payload_from_bnb_4bit(packed, state)
 
 
+def int8_payload(n: int, k: int) -> QuantPayload:
+    """A payload of a random ``[n, k]`` weight (rows of very different scales) quantized by
+    bitsandbytes' own ``int8_vectorwise_quant`` (on the CPU)."""
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
+    q, scb, _ = bnb_functional.int8_vectorwise_quant(weight)
+    return QuantPayload(BNB_INT8, q, (n, k), scales=scb, layout={"packing": "bitsandbytes"})
+
+
+# K a multiple of every tile, K of no power of two, K over several tiles
+INT8_SHAPES = [(40, 320), (24, 100), (33, 512)]
+
+
 CASES = [("nf4", False, 40, 320, 64), ("fp4", True, 24, 256, 128), ("nf4", True, 33, 512, 32)]
 # (path, rows, K splits, block_n, block_k): the one-row word GEMV (split, narrow), tensor-core
 # rows of the word GEMV, the split-K and GEMM tensor-core kernels, and the dequantize path.
@@ -49,6 +62,21 @@ LAUNCHES = [
     ("gemv", 17, 2, 32, 128), ("splitk", 20, 2, 32, 64), ("gemm", 70, 1, 32, 64),
     ("dequant", 5, 1, 32, 64),
 ]  # fmt: skip
+
+
+def assert_every_launch_path_matches(payload: QuantPayload, seed: int) -> torch.Generator:
+    """Every launch of ``LAUNCHES`` on ``payload``'s view against the float64 product of the
+    codec's weights; returns the generator, for more draws."""
+    view = kernel_weight(payload)
+    weight = dequantize(payload, torch.float32).double()
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(view.n, generator=gen)
+    for path, rows, split, block_n, block_k in LAUNCHES:
+        x = torch.randn(rows, view.k, generator=gen)
+        cfg = LinearConfig(path, 16, block_n, block_k, split_k=split)
+        out = launch_kernel(x, view, bias, cfg)
+        assert rel_err(out, F.linear(x.double(), weight, bias.double())) < F32_TOLERANCE, path
+    return gen
 
 
 def test_flat_payload_is_read_in_place():
@@ -76,17 +104,10 @@ def test_nested_absmax_is_decoded_as_the_codec_decodes_it():
 def test_every_launch_path_matches_the_codec(case):
     payload = bnb_payload(*case)
     view = kernel_weight(payload)
-    n, k = view.n, view.k
     weight = dequantize(payload, torch.float32).double()
-    gen = torch.Generator().manual_seed(1)
-    bias = torch.randn(n, generator=gen)
-    for path, rows, split, block_n, block_k in LAUNCHES:
-        x = torch.randn(rows, k, generator=gen)
-        cfg = LinearConfig(path, 16, block_n, block_k, split_k=split)
-        out = launch_kernel(x, view, bias, cfg)
-        assert rel_err(out, F.linear(x.double(), weight, bias.double())) < F32_TOLERANCE, path
+    gen = assert_every_launch_path_matches(payload, seed=1)
     for rows in (1, 4):  # the byte-wise GEMV
-        x = torch.randn(rows, k, generator=gen)
+        x = torch.randn(rows, view.k, generator=gen)
         out = launch_kernel(x, view, None, LinearConfig("gemv", 16, 32, 64, words=False))
         assert rel_err(out, F.linear(x.double(), weight)) < F32_TOLERANCE
 
@@ -99,9 +120,11 @@ def test_dequantize_path_is_bit_exact(dtype):
         assert torch.equal(got.view(_BITS[dtype]), dequantize(payload, dtype).view(_BITS[dtype]))
 
 
-def test_bf16_rows_through_the_plan_match_the_codec():
-    payload = bnb_payload("nf4", False, 40, 320, 64)
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_bf16_rows_through_the_plan_match_the_codec(kind):
+    payload = bnb_payload("nf4", False, 40, 320, 64) if kind == "nf4" else int8_payload(40, 320)
     plan = LinearPlan(payload, torch.device("cpu"), route="kernel")
+    assert plan.config(1).path == "gemv"  # NF4: the packed GEMV; LLM.int8: the byte-wise one
     weight = dequantize(payload, torch.bfloat16).double()
     for rows in (1, 2, 40):
         x = torch.randn(rows, 320).bfloat16()
@@ -154,19 +177,6 @@ def test_one_row_takes_the_packed_gemv_and_more_rows_decode_once():
 # ---- LLM.int8 ----------------------------------------------------------------------------------
 
 
-def int8_payload(n: int, k: int) -> QuantPayload:
-    """A payload of a random ``[n, k]`` weight (rows of very different scales) quantized by
-    bitsandbytes' own ``int8_vectorwise_quant`` (on the CPU)."""
-    gen = torch.Generator().manual_seed(n * k)
-    weight = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
-    q, scb, _ = bnb_functional.int8_vectorwise_quant(weight)
-    return QuantPayload(BNB_INT8, q, (n, k), scales=scb, layout={"packing": "bitsandbytes"})
-
-
-# K a multiple of every tile, K of no power of two, K over several tiles
-INT8_SHAPES = [(40, 320), (24, 100), (33, 512)]
-
-
 def test_int8_rows_are_read_in_place_with_one_multiplier_a_row():
     payload = int8_payload(40, 320)
     view = kernel_weight(payload)
@@ -183,17 +193,7 @@ def test_int8_rows_are_read_in_place_with_one_multiplier_a_row():
 
 @pytest.mark.parametrize("shape", INT8_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_int8_every_launch_path_matches_the_codec(shape):
-    payload = int8_payload(*shape)
-    view = kernel_weight(payload)
-    n, k = shape
-    weight = dequantize(payload, torch.float32).double()
-    gen = torch.Generator().manual_seed(2)
-    bias = torch.randn(n, generator=gen)
-    for path, rows, split, block_n, block_k in LAUNCHES:
-        x = torch.randn(rows, k, generator=gen)
-        cfg = LinearConfig(path, 16, block_n, block_k, split_k=split)
-        out = launch_kernel(x, view, bias, cfg)
-        assert rel_err(out, F.linear(x.double(), weight, bias.double())) < F32_TOLERANCE, path
+    assert_every_launch_path_matches(int8_payload(*shape), seed=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -206,18 +206,6 @@ def test_int8_dequantize_path_is_one_float32_rounding_from_the_codec(dtype):
             narrow = dequantize_view(kernel_weight(payload), dtype)
             step = torch.finfo(dtype).eps
             torch.testing.assert_close(narrow, dequantize(payload, dtype), rtol=step, atol=0)
-
-
-def test_int8_bf16_rows_through_the_plan_match_the_codec():
-    payload = int8_payload(40, 320)
-    plan = LinearPlan(payload, torch.device("cpu"), route="kernel")
-    assert plan.config(1).path == "gemv"  # the byte-wise GEMV, as qlens' own int8
-    weight = dequantize(payload, torch.bfloat16).double()
-    for rows in (1, 2, 40):
-        x = torch.randn(rows, 320).bfloat16()
-        out = plan(x)
-        assert out.dtype == torch.bfloat16
-        assert rel_err(out, F.linear(x.double(), weight)) < 4e-3, rows
 
 
 def test_int8_malformed_payloads_are_refused_by_name():

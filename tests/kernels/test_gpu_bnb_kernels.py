@@ -53,9 +53,29 @@ def test_every_row_count_matches_the_exact_weights_on_gpu(quant_type, nested):
         assert rel_err(own, exact) < BF16_TOLERANCE, rows  # the library agrees with the oracle
 
 
-def test_rerouted_linear4bit_in_cuda_graphs_and_eagerly_on_gpu():
+def _rerouted_eagerly_and_in_a_graph(module: torch.nn.Module, x: torch.Tensor):
+    """``module`` rerouted through qlens (``force=True``), then its outputs eagerly on one row
+    and on every row of ``x``, captured in a CUDA graph on ``x``'s shape (replayed on new
+    rows), and eagerly on those new rows."""
     import qlens
 
+    assert qlens.reroute_quantized_modules(torch.nn.ModuleList([module]), force=True) == ["0"]
+    eager = [module(x[:rows]) for rows in (1, x.shape[0])]
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        module(static)  # prepares the launch outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = module(static)
+    static.copy_(torch.randn_like(x))
+    graph.replay()
+    return eager, captured, module(static)
+
+
+def test_rerouted_linear4bit_in_cuda_graphs_and_eagerly_on_gpu():
     torch.manual_seed(0)
     module = bnb.nn.Linear4bit(4096, 1024, bias=True, compute_dtype=torch.bfloat16,
                                quant_type="nf4", device="meta")  # fmt: skip
@@ -63,32 +83,18 @@ def test_rerouted_linear4bit_in_cuda_graphs_and_eagerly_on_gpu():
         torch.randn(1024, 4096) * 0.02, requires_grad=False, quant_type="nf4", module=module
     ).to("cuda")
     module.bias = torch.nn.Parameter(torch.randn(1024, device="cuda"), requires_grad=False)
-    holder = torch.nn.ModuleList([module])
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         own = module(x)
-        assert qlens.reroute_quantized_modules(holder, force=True) == ["0"]
-        eager = [module(x[:rows]) for rows in (1, 8)]
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            module(static)  # prepares the launch outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = module(static)
-        static.copy_(torch.randn_like(x))
-        graph.replay()
-        again = module(static)
+        eager, captured, again = _rerouted_eagerly_and_in_a_graph(module, x)
     assert rel_err(eager[1], own) < BF16_TOLERANCE and rel_err(eager[0], own[:1]) < BF16_TOLERANCE
     assert torch.equal(captured, again)  # the graph's launch and the eager one: the same sums
 
 
 def test_int8_every_row_count_matches_the_exact_weights_on_gpu():
     torch.manual_seed(3)
-    weight = torch.randn(1536, 4000, device="cuda", dtype=torch.bfloat16) * 0.02
-    q, scb, _ = bnb.functional.int8_vectorwise_quant(weight)
+    weight = torch.randn(1536, 4000, device="cuda", dtype=torch.float16) * 0.02
+    q, scb, _ = bnb.functional.int8_vectorwise_quant(weight)  # fp16, as Int8Params quantizes
     payload = QuantPayload(
         BNB_INT8, q, (1536, 4000), scales=scb, layout={"packing": "bitsandbytes"}
     )
@@ -101,7 +107,6 @@ def test_int8_every_row_count_matches_the_exact_weights_on_gpu():
 
 
 def test_rerouted_linear8bitlt_eagerly_and_in_cuda_graphs_on_gpu():
-    import qlens
     from qlens.quant.adopt import adopt_module
 
     torch.manual_seed(0)
@@ -110,26 +115,12 @@ def test_rerouted_linear8bitlt_eagerly_and_in_cuda_graphs_on_gpu():
         torch.randn(1024, 4096) * 0.02, requires_grad=False, has_fp16_weights=False
     ).to("cuda")
     module.bias = torch.nn.Parameter(torch.randn(1024, device="cuda"), requires_grad=False)
-    holder = torch.nn.ModuleList([module])
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         own = module(x)  # LLM.int8: int8 activations, outlier columns in fp16
         payload = adopt_module(module)
         exact = F.linear(x.float(), dequantize(payload, torch.float32), module.bias.float())
-        assert qlens.reroute_quantized_modules(holder, force=True) == ["0"]
-        eager = [module(x[:rows]) for rows in (1, 8)]
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            module(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = module(static)
-        static.copy_(torch.randn_like(x))
-        graph.replay()
-        again = module(static)
+        eager, captured, again = _rerouted_eagerly_and_in_a_graph(module, x)
     # qlens multiplies the exact weights; bitsandbytes rounds the activations to int8 too
     assert (
         rel_err(eager[1], exact) < BF16_TOLERANCE and rel_err(eager[0], exact[:1]) < BF16_TOLERANCE
