@@ -5,8 +5,8 @@ Qwen3-30B-A3B-like MoE (24 layers, 64 experts, top-8), built on the GPU; each ql
 quantizes the bf16 model with ``qlens.quantize(model, scheme)``, and bitsandbytes NF4 and
 LLM.int8 (when ``import bitsandbytes`` works) swap its linears for bitsandbytes' own modules, as
 transformers' loader does; ``bnb-nf4-qlens`` and ``bnb-int8-qlens`` are those models with their
-modules rerouted through qlens' kernels (``qlens.reroute_quantized_modules(model, force=True)``). Everything runs in one
-process, bf16 first. Per model:
+modules rerouted through qlens' kernels (``qlens.reroute_quantized_modules(model, force=True)``).
+Everything runs in one process, bf16 first. Per model:
 
 - weights: GiB of parameters and buffers (bitsandbytes: with their quantization states);
 - prefill: one forward of ``--prefill-tokens`` tokens through ``qlens.load(model)``;

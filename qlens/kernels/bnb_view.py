@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from qlens.kernels.configs import next_pow2
 from qlens.kernels.layout_view import BNB4, INT8, KernelWeight
 from qlens.quant.codecs.bnb import INT8_RECIPROCAL, PACKING, block_absmax
 from qlens.quant.codecs.checks import ceil_div
@@ -109,7 +110,7 @@ def bnb_int8_view(payload: QuantPayload) -> KernelWeight:
     )
     assert scb is not None
     # One group spans each row: a power of two (the kernels' tile arithmetic) of at least K.
-    row_group = max(16, 1 << (k - 1).bit_length())
+    row_group = max(16, next_pow2(k))
     return KernelWeight(
         family=INT8,
         n=n,

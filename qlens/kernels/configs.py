@@ -88,7 +88,8 @@ BNB4_PACKED_GEMV_MAX_M = launch_tables.BNB4_PACKED_GEMV_MAX_M.value
 DECODED_ROWS_CONFIG = LinearConfig("dequant", 16, 16, 16)
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two at least ``x`` (1 for ``x <= 1``)."""
     return 1 << max(x - 1, 0).bit_length()
 
 
@@ -135,8 +136,8 @@ def interpreter_config(m: int, n: int, k: int, path: Path | None = None) -> Line
         path = "gemv" if m <= GEMV_MAX_M else "splitk" if m <= SPLITK_MAX_M else "gemm"
     return LinearConfig(
         path=path,
-        block_m=max(16, min(64, _next_pow2(m))),
-        block_n=max(16, min(64, _next_pow2(n))),
+        block_m=max(16, min(64, next_pow2(m))),
+        block_n=max(16, min(64, next_pow2(n))),
         block_k=128,
     )
 

@@ -139,21 +139,18 @@ def _attach_builtin_formats() -> None:
         view = functools.partial(qlens_layout_view, family=family)
         attach_kernel_support(name, KernelSupport(family, view, qlens_layout_dequantize))
     bnb_dequantize = _Deferred("qlens.kernels.dequant_bnb", "dequantize_bnb_triton")
-    for name in BNB_4BIT_FORMATS:
+    bnb_views: dict[str, tuple[int, Callable[[QuantPayload], KernelWeight]]] = {
+        name: (BNB4, bnb_4bit_view) for name in BNB_4BIT_FORMATS
+    }
+    bnb_views["bnb_int8"] = (INT8, bnb_int8_view)
+    for name, (family, bnb_view) in bnb_views.items():
         attach_kernel_support(
             name,
             KernelSupport(
-                BNB4, bnb_4bit_view, bnb_dequantize,
+                family, bnb_view, bnb_dequantize,
                 dequantize_reads_any_layout=True, stacked_experts=False,
             ),
         )  # fmt: skip
-    attach_kernel_support(
-        "bnb_int8",
-        KernelSupport(
-            INT8, bnb_int8_view, bnb_dequantize,
-            dequantize_reads_any_layout=True, stacked_experts=False,
-        ),
-    )  # fmt: skip
     library_kernels = (
         (GGUF_KERNEL_FORMATS, _Deferred("qlens.kernels.dequant_gguf", "dequantize_gguf_triton")),
         (BITNET_FORMATS, _Deferred("qlens.kernels.dequant_bitnet", "dequantize_bitnet_triton")),

@@ -25,7 +25,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from qlens.kernels.code_order import permute_codes, regrouped_strides
-from qlens.kernels.configs import LinearConfig
+from qlens.kernels.configs import LinearConfig, next_pow2
 from qlens.kernels.expert_sort import sort_by_expert
 from qlens.kernels.fast_launch import FastLaunch
 from qlens.kernels.gemv import _TL_DTYPES
@@ -126,9 +126,9 @@ def grouped_config(rows: int, experts: int, n: int, *, packed: bool = True) -> L
     256-element K steps of packed words at 64 rows spilled 400-750 bytes a thread on 4 warps
     and 100-150 on 8, and 128-element steps of fp8 bytes 344-360 on 8 warps and 1448 on 4
     (``test_grouped_experts_sm90.py``). The interpreter takes at most 64 columns."""
-    block_m = min(64, max(16, 1 << max(ceil_div(rows, experts) - 1, 0).bit_length()))
+    block_m = min(64, max(16, next_pow2(ceil_div(rows, experts))))
     if interpreting():
-        block_n = min(64, max(16, 1 << max(n - 1, 0).bit_length()))
+        block_n = min(64, max(16, next_pow2(n)))
         return LinearConfig("gemm", block_m, block_n, 128, num_warps=4, num_stages=1)
     return LinearConfig("gemm", block_m, 64, 128 if packed else 64, num_warps=8, num_stages=3)
 
@@ -225,7 +225,7 @@ class GroupedExperts:
             (ceil_div(w.n, cfg.block_n) * max_tiles,), args, slots, self.device,
             **kernel_constants(w), HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            MASK_N=w.n % cfg.block_n != 0, EXPERTS=1 << max(num_experts - 1, 0).bit_length(),
+            MASK_N=w.n % cfg.block_n != 0, EXPERTS=next_pow2(num_experts),
             X_DTYPE=_TL_DTYPES[dtype], USE_ASM=not interpret, INTERPRET=interpret,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
