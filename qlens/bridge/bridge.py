@@ -50,6 +50,17 @@ from qlens.bridge.adapters import Adapter, get_adapter
 from qlens.bridge.cache import ActivationCache
 from qlens.bridge.config import BridgeConfig, build_config
 from qlens.bridge.generation import hf_generate_kwargs
+from qlens.bridge.layer_range import (
+    Skipping,
+    Start,
+    StopForward,
+    check_fireable,
+    fires_before,
+    fires_from,
+    layer_position,
+    start_hook,
+    stop_hook,
+)
 from qlens.bridge.layout import build_layer_sites, require_module, resolve_layers
 from qlens.bridge.loss import lm_loss
 from qlens.bridge.model_api import ModelAPI
@@ -61,55 +72,16 @@ from qlens.bridge.names import (
     unknown_name_error,
 )
 from qlens.bridge.switches import SWITCHED_SUFFIXES, HookSwitches
+from qlens.bridge.token_api import Input
 from qlens.bridge.tokens import (
     PaddingSide,
     default_padding_side,
     has_bos_candidate,
     positions_from_mask,
-    require_tokenizer,
-    token_device,
-    tokenize,
 )
 from qlens.hooks import HookFn, HookHandle, HookPoint
 
-Input = str | list[str] | Tensor
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
-
-
-class _StopForward(Exception):  # noqa: N818
-    def __init__(self, residual: Tensor) -> None:
-        self.residual = residual
-
-
-@dataclasses.dataclass(frozen=True)
-class _Start:
-    """A forward from layer ``layer`` on ``residual``."""
-
-    layer: int
-    residual: Tensor
-
-
-def _pass_through(*args: Any, **kwargs: Any) -> Any:
-    """A skipped decoder layer: its input hidden states, unchanged (what HF layers return)."""
-    return args[0] if args else kwargs["hidden_states"]
-
-
-class _Skipping:
-    """Handle of a start: removing it restores the skipped layers' forwards and the hook."""
-
-    def __init__(self, handle: RemovableHandle, skipped: list[nn.Module]) -> None:
-        self.handle, self.skipped = handle, skipped
-        self.own = [m.__dict__.get("forward") for m in skipped]  # wrappers set on instances
-        for module in skipped:
-            module.forward = _pass_through  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        self.handle.remove()
-        for module, own in zip(self.skipped, self.own, strict=True):
-            if own is None:
-                del module.forward
-            else:
-                module.forward = own
 
 
 class Bridge(HookSwitches, ModelAPI):
@@ -316,7 +288,7 @@ class Bridge(HookSwitches, ModelAPI):
 
     @contextlib.contextmanager
     def _attached(
-        self, stop_at_layer: int | None = None, start: _Start | None = None
+        self, stop_at_layer: int | None = None, start: Start | None = None
     ) -> Iterator[None]:
         """Attach PyTorch hooks for the active names (and the attention switch) for one call;
         ``start``: run the layers from its own on, on its residual."""
@@ -326,9 +298,9 @@ class Bridge(HookSwitches, ModelAPI):
                 "compute what you need after the forward returns"
             )
         active = {n for n, p in self.hook_dict.items() if p.is_active}
-        self._check_fireable(active, stop_at_layer, None if start is None else start.layer)
+        check_fireable(active, stop_at_layer, None if start is None else start.layer)
         self._check_switches(active)
-        handles: list[RemovableHandle | _Skipping] = []
+        handles: list[RemovableHandle | Skipping] = []
         configs = self._attention_configs()
         saved = {id(c): c._attn_implementation for c in configs.values()}
         switch = not active.isdisjoint(self._attention_fn_names)
@@ -340,9 +312,10 @@ class Bridge(HookSwitches, ModelAPI):
                 if site.needed(active):
                     handles += site.attach(self.hook_dict)
             if stop_at_layer is not None:
-                handles.append(self._stop_hook(stop_at_layer))
+                handles.append(stop_hook(self._layer_module(stop_at_layer)))
             if start is not None:
-                handles.append(self._start_hook(start))
+                skipped = [rl.layer for rl in self._layers[: start.layer]]
+                handles.append(start_hook(self._layer_module(start.layer), skipped, start))
             if switch:
                 for rl, tap in zip(self._layers, self._taps, strict=True):
                     attn = rl.modules["attn"]
@@ -371,173 +344,13 @@ class Bridge(HookSwitches, ModelAPI):
             configs[id(config)] = config
         return configs
 
-    def _fires_before(self, name: str, stop_at_layer: int | None) -> bool:
-        """Whether ``name`` fires in a forward stopped before layer ``stop_at_layer``."""
-        if stop_at_layer is None:
-            return True
-        layer = layer_of(name)
-        return layer < stop_at_layer if layer is not None else not name.startswith("ln_final.")
-
-    def _fires_from(self, name: str, start_at_layer: int | None) -> bool:
-        """Whether ``name`` fires in a forward started at layer ``start_at_layer``."""
-        if start_at_layer is None:
-            return True
-        layer = layer_of(name)
-        return layer >= start_at_layer if layer is not None else name.startswith("ln_final.")
-
-    def _check_fireable(
-        self, active: set[str], stop_at_layer: int | None, start_at_layer: int | None = None
-    ) -> None:
-        for name in sorted(active):
-            if not self._fires_before(name, stop_at_layer):
-                raise ValueError(
-                    f"hook {name!r} cannot fire with stop_at_layer={stop_at_layer}: the forward "
-                    f"stops before it. Remove the hook or raise stop_at_layer."
-                )
-            if not self._fires_from(name, start_at_layer):
-                raise ValueError(
-                    f"hook {name!r} cannot fire with start_at_layer={start_at_layer}: the "
-                    "forward starts after it. Remove the hook or lower start_at_layer."
-                )
-
-    def _start_hook(self, start: _Start) -> _Skipping:
-        """Skip the layers before ``start.layer`` (each passes its input on, computing nothing)
-        and hand ``start.residual`` to the first that runs (or to the final norm)."""
-        target = (
-            self.ln_final if start.layer == self.cfg.n_layers else self._layers[start.layer].layer
-        )
-
-        def enter(
-            _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if args:
-                return (start.residual, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": start.residual}
-
-        handle = target.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
-        return _Skipping(handle, [rl.layer for rl in self._layers[: start.layer]])
-
-    def _stop_hook(self, stop_at_layer: int) -> RemovableHandle:
-        target = (
-            self.ln_final
-            if stop_at_layer == self.cfg.n_layers
-            else self._layers[stop_at_layer].layer
-        )
-
-        def stop(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            raise _StopForward(args[0] if args else kwargs["hidden_states"])
-
-        return target.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
-
-    # -- tokens ------------------------------------------------------------------------------
-    def _tokenize(
-        self,
-        texts: list[str],
-        prepend_bos: bool | None,
-        padding_side: PaddingSide | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Ids and mask; ``None`` takes ``cfg.default_prepend_bos`` / ``default_padding_side``."""
-        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        side = self.cfg.default_padding_side if padding_side is None else padding_side
-        return tokenize(require_tokenizer(self.tokenizer), texts, bos, side)
-
-    def to_tokens(
-        self,
-        input: str | list[str],
-        prepend_bos: bool | None = None,
-        padding_side: PaddingSide | None = None,
-    ) -> Int[Tensor, "batch pos"]:
-        """Token ids ``[batch pos]``, as TransformerLens makes them: one BOS first when
-        ``prepend_bos`` (default ``cfg.default_prepend_bos``), padded on ``padding_side``
-        (default ``cfg.default_padding_side``)."""
-        texts = [input] if isinstance(input, str) else list(input)
-        return self._tokenize(texts, prepend_bos, padding_side)[0]
-
-    def to_str_tokens(
-        self,
-        input: str | list[str] | Tensor,
-        prepend_bos: bool | None = None,
-        padding_side: PaddingSide | None = None,
-    ) -> list[str] | list[list[str]]:
-        """Each token as a string: of a string or a 1-D / batch-1 token tensor (a list), or of
-        each string of a list or each row of a batch (a list of lists). Tensors are decoded as
-        given (``prepend_bos`` applies to strings only)."""
-        tokenizer = require_tokenizer(self.tokenizer)
-        if isinstance(input, list):
-            return [cast(list[str], self.to_str_tokens(text, prepend_bos)) for text in input]
-        if isinstance(input, str):
-            tokens = self.to_tokens(input, prepend_bos, padding_side)[0]
-        else:
-            tokens = input.reshape(-1) if input.ndim == 2 and input.shape[0] == 1 else input
-        if tokens.ndim == 2:
-            return [[tokenizer.decode([int(t)]) for t in row] for row in tokens]
-        if tokens.ndim != 1:
-            raise ValueError(
-                f"to_str_tokens takes a sequence or a batch, got shape {tuple(tokens.shape)}"
-            )
-        return [tokenizer.decode([int(t)]) for t in tokens]
-
-    def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
-        """Decode token ids: one token or sequence -> str, a batch -> list of str."""
-        tokenizer = require_tokenizer(self.tokenizer)
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim == 0:
-            tokens = tokens.reshape(1)
-        if tokens.ndim == 1:
-            return tokenizer.decode(tokens.tolist())
-        return [tokenizer.decode(row.tolist()) for row in tokens]
-
-    def _input_device(self) -> torch.device:
-        """Where token ids go (``token_device`` of the embedding)."""
-        return token_device(self.embed)
-
-    def _prepare(
-        self,
-        input: Input,
-        attention_mask: Tensor | None,
-        padding_side: PaddingSide | None = None,
-        prepend_bos: bool | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        if isinstance(input, str):
-            input = [input]
-        if isinstance(input, list):
-            tokens, mask = self._tokenize(input, prepend_bos, padding_side)
-            if attention_mask is not None:
-                raise ValueError("attention_mask is built from strings; pass it only with tokens")
-            attention_mask = mask if bool((mask == 0).any()) else None
-        elif isinstance(input, Tensor):
-            if input.dtype not in (torch.int64, torch.int32):
-                raise TypeError(f"token tensors must be int64/int32 ids, got {input.dtype}")
-            tokens = input.unsqueeze(0) if input.ndim == 1 else input
-            if tokens.ndim != 2:
-                raise ValueError(f"token tensors must be [batch pos], got {tuple(input.shape)}")
-        else:
-            raise TypeError(
-                f"input must be a string, a list of strings or a token tensor, got {type(input).__name__}"
-            )
-        if attention_mask is not None:
-            attention_mask = (
-                attention_mask.unsqueeze(0) if attention_mask.ndim == 1 else attention_mask
-            )
-            if attention_mask.shape != tokens.shape:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != tokens shape {tuple(tokens.shape)}"
-                )
-        device = self._input_device()
-        tokens = tokens.to(device)
-        if attention_mask is None:
-            return tokens, None
-        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
-        return tokens, attention_mask.to(device=device, dtype=torch.long)
-
     # -- forward -----------------------------------------------------------------------------
     def _start_from(
         self, residual: Input, start_at_layer: int, attention_mask: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, _Start]:
+    ) -> tuple[Tensor, Tensor | None, Start]:
         """Stand-in tokens (the embeddings the skipped layers would have read are replaced),
         the mask, and the start for a forward from ``start_at_layer`` on ``residual``."""
-        layer = self._layer_position(start_at_layer, "start_at_layer")
+        layer = layer_position(start_at_layer, self.cfg.n_layers, "start_at_layer")
         if not isinstance(residual, Tensor) or not residual.is_floating_point():
             raise TypeError(
                 "with start_at_layer, input is the residual stream [batch pos d_model] (a float "
@@ -552,15 +365,11 @@ class Bridge(HookSwitches, ModelAPI):
             )
         tokens = torch.zeros(residual.shape[:2], dtype=torch.long, device=self.device)
         _, mask = self._prepare(tokens, attention_mask)
-        return tokens, mask, _Start(layer, residual)
+        return tokens, mask, Start(layer, residual)
 
-    def _layer_position(self, layer: int, what: str) -> int:
-        """``layer`` (``what``: ``stop_at_layer`` or ``start_at_layer``, in [-n_layers,
-        n_layers], negative counting from the end) as a position in [0, n_layers]."""
-        n = self.cfg.n_layers
-        if not -n <= layer <= n:
-            raise ValueError(f"{what} must be in [{-n}, {n}], got {layer}")
-        return layer + n if layer < 0 else layer
+    def _layer_module(self, position: int) -> nn.Module:
+        """The module a forward enters at layer ``position`` (``n_layers``: the final norm)."""
+        return self.ln_final if position == self.cfg.n_layers else self._layers[position].layer
 
     def _model_forward(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
         kwargs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
@@ -574,10 +383,10 @@ class Bridge(HookSwitches, ModelAPI):
         tokens: Tensor,
         mask: Tensor | None,
         stop_at_layer: int | None = None,
-        start: _Start | None = None,
+        start: Start | None = None,
     ) -> Tensor:
         if stop_at_layer is not None:
-            stop_at_layer = self._layer_position(stop_at_layer, "stop_at_layer")
+            stop_at_layer = layer_position(stop_at_layer, self.cfg.n_layers, "stop_at_layer")
             if start is not None and stop_at_layer <= start.layer:
                 raise ValueError(
                     f"stop_at_layer ({stop_at_layer}) must come after start_at_layer "
@@ -586,7 +395,7 @@ class Bridge(HookSwitches, ModelAPI):
         with self._attached(stop_at_layer, start):
             try:
                 out = self._model_forward(tokens, mask)
-            except _StopForward as stop:
+            except StopForward as stop:
                 out = stop.residual
         self._check_fired()
         return out
@@ -749,11 +558,11 @@ class Bridge(HookSwitches, ModelAPI):
             selected = set(names) | set(self._switched_on_names())
             names = [n for n in self.hook_names if n in selected]
         if names_filter is None and stop_at_layer is not None:  # every name that can fire
-            stop = self._layer_position(stop_at_layer, "stop_at_layer")
-            names = [n for n in names if self._fires_before(n, stop)]
+            stop = layer_position(stop_at_layer, self.cfg.n_layers, "stop_at_layer")
+            names = [n for n in names if fires_before(n, stop)]
         if names_filter is None and start_at_layer is not None:
-            start = self._layer_position(start_at_layer, "start_at_layer")
-            names = [n for n in names if self._fires_from(n, start)]
+            start = layer_position(start_at_layer, self.cfg.n_layers, "start_at_layer")
+            names = [n for n in names if fires_from(n, start)]
         store: dict[str, Tensor] = {}
 
         def kept(x: Tensor) -> Tensor:
@@ -856,18 +665,6 @@ class Bridge(HookSwitches, ModelAPI):
             strings = self._decode_generated(out, mask if from_strings and bos else None)
             return strings[0] if isinstance(input, str) else strings
         return out
-
-    def _decode_generated(self, out: Tensor, bos_mask: Tensor | None) -> list[str]:
-        """Each row as a string; with ``bos_mask`` (the prompt's mask), the BOS the strings were
-        given (each row's first real token) is left out."""
-        tokenizer = require_tokenizer(self.tokenizer)
-        if bos_mask is None:
-            return [tokenizer.decode(row.tolist()) for row in out]
-        first_real = bos_mask.argmax(-1).tolist()  # index of the first 1
-        return [
-            tokenizer.decode(row[:start].tolist() + row[start + 1 :].tolist())
-            for row, start in zip(out, first_real, strict=True)
-        ]
 
 
 def guard_compiled_graphs_on_hooks() -> None:

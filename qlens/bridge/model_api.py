@@ -16,24 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from qlens.bridge.blocks import BlockView, build_blocks, build_mod_dict
+from qlens.bridge.token_api import TokenAPI
+from qlens.bridge.tokens import tokenizer_prepends_bos
 from qlens.weights import accessors, circuits
 from qlens.weights.factored import FactoredMatrix
-
-
-def tokenizer_prepends_bos(tokenizer: Any) -> bool | None:
-    """Whether the tokenizer adds a BOS token by itself (None without a tokenizer)."""
-    if tokenizer is None:
-        return None
-    bos = getattr(tokenizer, "bos_token_id", None)
-    ids = tokenizer("a")["input_ids"]
-    return bos is not None and len(ids) > 0 and ids[0] == bos
 
 
 class HeadLabels(list[str]):
@@ -44,7 +37,7 @@ class HeadLabels(list[str]):
         return list(self)
 
 
-class ModelAPI:
+class ModelAPI(TokenAPI):
     """Mixin for :class:`qlens.bridge.Bridge`; needs ``model``, ``cfg``, ``hook_dict``..."""
 
     model: nn.Module
@@ -61,7 +54,7 @@ class ModelAPI:
 
     def _setup_model_api(self) -> None:
         """Attach the live device/dtype and tokenizer facts to ``cfg``; build ``blocks``."""
-        prepends = tokenizer_prepends_bos(self.tokenizer)
+        prepends = None if self.tokenizer is None else tokenizer_prepends_bos(self.tokenizer)
         devices = {p.device for p in self.model.parameters() if p.device.type != "meta"}
         self.cfg = dataclasses.replace(
             self.cfg,
@@ -79,17 +72,6 @@ class ModelAPI:
         if not isinstance(dtype, torch.dtype):
             dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         return self._input_device(), dtype
-
-    if TYPE_CHECKING:  # provided by Bridge
-
-        def _input_device(self) -> torch.device: ...
-        def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None) -> Tensor: ...
-        def to_str_tokens(
-            self,
-            input: str | list[str] | Tensor,
-            prepend_bos: bool | None = None,
-            padding_side: Literal["left", "right"] | None = None,
-        ) -> list[str] | list[list[str]]: ...
 
     # -- module behaviour, forwarded to the wrapped model -------------------------------------
     @property
