@@ -397,12 +397,9 @@ def b_in(
     dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_mlp"]:
     """MLP input (up) bias (zeros when absent)."""
-
-    def one(i: int) -> Tensor:
-        w, b = _mlp_in(bridge, i, "in", expert, dequantize)
-        return b if b is not None else _zeros(w[..., 0, :])
-
-    return _stacked(bridge, layer, one)
+    return _stacked(
+        bridge, layer, lambda i: _bias_or_zeros(*_mlp_in(bridge, i, "in", expert, dequantize))
+    )
 
 
 def b_gate(
@@ -413,12 +410,9 @@ def b_gate(
     dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_mlp"]:
     """Gate bias of a gated MLP (zeros when absent)."""
-
-    def one(i: int) -> Tensor:
-        w, b = _mlp_in(bridge, i, "gate", expert, dequantize)
-        return b if b is not None else _zeros(w[..., 0, :])
-
-    return _stacked(bridge, layer, one)
+    return _stacked(
+        bridge, layer, lambda i: _bias_or_zeros(*_mlp_in(bridge, i, "gate", expert, dequantize))
+    )
 
 
 def W_out(
@@ -440,12 +434,14 @@ def b_out(
     dequantize: bool = False,
 ) -> Float[Tensor, "*batch d_model"]:
     """MLP output bias (zeros when absent)."""
+    return _stacked(
+        bridge, layer, lambda i: _bias_or_zeros(*_mlp_out(bridge, i, expert, dequantize))
+    )
 
-    def one(i: int) -> Tensor:
-        w, b = _mlp_out(bridge, i, expert, dequantize)
-        return b if b is not None else _zeros(w[..., 0, :])
 
-    return _stacked(bridge, layer, one)
+def _bias_or_zeros(weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``bias``, or zeros over ``weight``'s last dimension when there is none."""
+    return bias if bias is not None else _zeros(weight[..., 0, :])
 
 
 def _mlp_out(
