@@ -53,7 +53,8 @@ TWO_WARP_BLOCK_K = Tuned(
 BNB4_PACKED_GEMV_MAX_M = Tuned(
     1,
     "results/bnb_nf4_linear_h100.md § 2026-12-07 16:58 UTC; "
-    "results/bnb_nf4_linear_h100.md § 2026-12-07 17:09 UTC",
+    "results/bnb_nf4_linear_h100.md § 2026-12-07 17:09 UTC; "
+    "results/bnb_nf4_linear_h100.md § 2026-12-08 00:22 UTC",
 )
 # One-row GEMVs split K at most this many ways: the split's reducing launch cost more host time
 # than it saved, and unsplit narrow layers ran faster on the GPU too.
