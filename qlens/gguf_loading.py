@@ -86,6 +86,15 @@ def load_gguf_packed(
     path: Path, *, dtype: torch.dtype, device: str | torch.device | None
 ) -> nn.Module:
     """The causal LM in the GGUF file ``path``, quantized linears kept as GGUF payloads."""
+    from qlens.gguf_parse_once import gguf_parsed_once
+
+    with gguf_parsed_once():
+        return _load_gguf_packed(path, dtype, device)
+
+
+def _load_gguf_packed(
+    path: Path, dtype: torch.dtype, device: str | torch.device | None
+) -> nn.Module:
     from gguf import GGUFReader
 
     from qlens.gguf_metadata import text_field

@@ -125,11 +125,14 @@ def _load_from_source(
     kwargs.setdefault("use_safetensors", True)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        hf_model = _load_gguf(path, request, kwargs)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(path.parent), gguf_file=path.name, local_files_only=True
-            )
+        from qlens.gguf_parse_once import gguf_parsed_once
+
+        with gguf_parsed_once():  # the model, its config and its tokenizer read one parse
+            hf_model = _load_gguf(path, request, kwargs)
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(
+                    str(path.parent), gguf_file=path.name, local_files_only=True
+                )
         return _bridge(hf_model, tokenizer, trust_remote_code)
     location = _resolve_location(source, kwargs)
     if (Path(location) / _QLENS_MANIFEST).is_file():

@@ -139,9 +139,14 @@ def _plain_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
 def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qlens.gguf_parse_once import gguf_parsed_once
+
     kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, dtype=torch.float32, **kwargs
+        )
     return model, tokenizer
 
 
