@@ -168,10 +168,18 @@ def test_bitnet_three_dims_and_tiny_scales_are_bit_exact():
     assert_bit_exact(payload, dequantize_bitnet_triton)
 
 
+# (37, 68) under the default launch; (21, 36) under the small ones: 6 packed rows (2 tiles of 4,
+# the last half full), 9 words (a full tile and 1, or 2 tiles and 1), the last row quarter ragged.
 @pytest.mark.parametrize(
-    "launch", [None, DequantLaunch(1, 32, 1), DequantLaunch(4, 16, 2)], ids=str
+    ("shape", "launch"),
+    [((37, 68), None)]
+    + [
+        (shape, launch)
+        for shape in [(21, 36), (10, 4, 3), (5, 8)]
+        for launch in [None, DequantLaunch(1, 32, 1), DequantLaunch(4, 16, 2)]
+    ],
+    ids=str,
 )
-@pytest.mark.parametrize("shape", [(37, 68), (10, 4, 3), (5, 8)], ids=str)
 def test_bitnet_word_kernel_is_bit_exact(shape, launch):
     """16-bit outputs of whole int32 words take the word-wise kernel (ragged words, rows and
     packed rows; a last dimension of odd length); float32 and odd widths the byte-wise one."""
