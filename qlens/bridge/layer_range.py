@@ -73,8 +73,9 @@ def check_fireable(
             )
 
 
-def _pass_through(*args: Any, **kwargs: Any) -> Any:
-    """A skipped decoder layer: its input hidden states, unchanged (what HF layers return)."""
+def _layer_input(*args: Any, **kwargs: Any) -> Any:
+    """The hidden states a decoder layer (or the final norm) is called with; as a skipped
+    layer's forward, its input passed on unchanged (what HF layers return)."""
     return args[0] if args else kwargs["hidden_states"]
 
 
@@ -85,7 +86,7 @@ class Skipping:
         self.handle, self.skipped = handle, skipped
         self.own = [m.__dict__.get("forward") for m in skipped]  # wrappers set on instances
         for module in skipped:
-            module.forward = _pass_through  # type: ignore[method-assign]
+            module.forward = _layer_input  # type: ignore[method-assign]
 
     def remove(self) -> None:
         self.handle.remove()
@@ -115,6 +116,6 @@ def stop_hook(target: nn.Module) -> RemovableHandle:
     """Raise :class:`StopForward` with ``target``'s input (the residual) before it runs."""
 
     def stop(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        raise StopForward(args[0] if args else kwargs["hidden_states"])
+        raise StopForward(_layer_input(*args, **kwargs))
 
     return target.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
